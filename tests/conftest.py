@@ -1,0 +1,71 @@
+"""Shared test set-up.
+
+Lab mode (TensorFlow's real BFC allocator on the CPU) is set up once for this pytest
+process, before anything starts TensorFlow's runtime; tests that need a fresh runtime
+(setup rules before/after start, import side effects) run in a fresh interpreter with
+``run_fresh``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# TensorFlow's C++ start-up chatter (e.g. "failed call to cuInit" on a machine without a
+# GPU) goes to fd 2; keep it out of test output and out of nbval's stderr comparisons.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+SESSION_LAB_MB = 256
+
+
+def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
+    """Run `code` in a new Python process; it must print one JSON object as its last line."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return json.loads(lines[-1])
+
+
+def _gpu_available() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items or _gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU visible to TensorFlow; none here")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lab_session():
+    """This process in lab mode with a 256 MB limit; returns the setup result."""
+    import tfmem_widgets
+
+    return tfmem_widgets.setup(lab_mb=SESSION_LAB_MB)
+
+
+@pytest.fixture(scope="session")
+def shell(lab_session):
+    """A real IPython shell (no kernel) with the extension loaded."""
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "tfmem_widgets")
+    yield ip

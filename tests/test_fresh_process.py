@@ -1,0 +1,135 @@
+"""What can only be seen in a fresh process: the runtime's start and lab mode's effect."""
+
+import pytest
+
+from conftest import run_fresh
+
+
+def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
+    out = run_fresh(
+        """
+        import json, sys
+        import tfmem_widgets
+        imported = "tensorflow" in sys.modules
+        from IPython.testing.globalipapp import start_ipython
+        ip = start_ipython()
+        ip.run_line_magic("load_ext", "tfmem_widgets")
+        report = ip.run_line_magic("tfmem", "")          # reading must not start it either
+        from tfmem_widgets.runtime import runtime_started
+        before = runtime_started()
+        result = ip.run_line_magic("tfmem", "setup --lab 64")
+        import tensorflow as tf
+        small = tf.zeros((10,))                          # 40 bytes: a 256-byte BFC chunk
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        print(json.dumps({"imported_tf": imported, "started_before_setup": before,
+                          "report_started": report.runtime_started, "changed": result.changed,
+                          "current": info["current"], "started_after": runtime_started()}))
+        """
+    )
+    assert out == {"imported_tf": False, "started_before_setup": False, "report_started": False,
+                   "changed": True, "current": 256, "started_after": True}
+
+
+def test_done_when_scenario_in_a_fresh_shell():
+    out = run_fresh(
+        """
+        import json
+        from IPython.testing.globalipapp import start_ipython
+        ip = start_ipython()
+        ip.run_line_magic("load_ext", "tfmem_widgets")
+        ip.run_line_magic("tfmem", "setup --lab 64")
+        cell = "\\n".join(["import tensorflow as tf",
+                           "x = tf.zeros((2 << 20,))           # kept: 8 MiB",
+                           "y = tf.zeros((4 << 20,)); del y    # 16 MiB while x exists"])
+        m = ip.run_cell_magic("tfmem", "-o -q", cell)
+        from IPython.core.error import UsageError
+        try:
+            ip.run_line_magic("tfmem", "setup --lab 128")
+            refusal = None
+        except UsageError as exc:
+            refusal = str(exc)
+        print(json.dumps({"peak": m.peak_bytes, "delta": m.delta_bytes, "refusal": refusal}))
+        """
+    )
+    MiB = 1 << 20
+    assert abs(out["peak"] - 24 * MiB) <= 4096 and abs(out["delta"] - 8 * MiB) <= 4096
+    assert "already started" in out["refusal"] and "restart the kernel" in out["refusal"]
+    assert "%tfmem setup --lab 128" in out["refusal"]
+
+
+def test_lab_limit_is_real_an_allocation_over_it_raises_resource_exhausted():
+    # TensorFlow retries a failed allocation for 10 s before it raises.
+    out = run_fresh(
+        """
+        import json, tfmem_widgets
+        tfmem_widgets.setup(lab_mb=64)
+        import tensorflow as tf
+        try:
+            tf.zeros((20 << 20,))   # 80 MiB
+            error = None
+        except tf.errors.ResourceExhaustedError as exc:
+            error = str(exc).splitlines()[0]
+        print(json.dumps({"error": error}))
+        """
+    )
+    assert "OOM when allocating" in out["error"] and "bfc_cpu_allocator_for_gpu" in out["error"]
+
+
+def test_logical_cpus_and_a_refused_setup_leave_the_configuration_untouched():
+    out = run_fresh(
+        """
+        import json, os, tfmem_widgets
+        from tfmem_widgets.runtime import logical_devices, runtime_started
+        env = {k: v for k, v in os.environ.items() if k.startswith("TF_")}
+        try:
+            tfmem_widgets.setup(lab_mb=64, growth=True)   # growth needs a GPU: refused
+        except tfmem_widgets.SetupError as exc:
+            refusal = str(exc)
+        unchanged = env == {k: v for k, v in os.environ.items() if k.startswith("TF_")}
+        tfmem_widgets.setup(lab_mb=64, cpus=2)
+        planned = [d.name for d in logical_devices()]
+        import tensorflow as tf
+        actual = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices("CPU")]
+        print(json.dumps({"refusal": refusal, "unchanged": unchanged, "planned": planned, "actual": actual}))
+        """
+    )
+    assert "no GPU is visible" in out["refusal"] and out["unchanged"]
+    assert out["planned"] == out["actual"] == ["CPU:0", "CPU:1"]
+
+
+def test_a_failure_half_way_through_applying_undoes_what_was_done():
+    out = run_fresh(
+        """
+        import json, os
+        from tfmem_widgets.device_setup import _apply
+        from tfmem_widgets.plan import Step
+        before = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+        steps = [Step("env", "TF_CPU_ALLOCATOR_USE_BFC", "true", ""),
+                 Step("cpus", None, 2, ""),
+                 Step("no-such-kind", None, None, "")]
+        try:
+            _apply(steps)
+        except AssertionError:
+            pass
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        print(json.dumps({"env": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"), "before": before,
+                          "cpus": tf.config.get_logical_device_configuration(cpu)}))
+        """,
+        env={"TF_CPU_ALLOCATOR_USE_BFC": ""},
+    )
+    assert out["env"] == out["before"] and out["cpus"] is None
+
+
+def test_without_lab_mode_the_cpu_figures_carry_a_warning():
+    out = run_fresh(
+        """
+        import json, tfmem_widgets
+        import tensorflow as tf
+        with tfmem_widgets.measure("CPU") as m:
+            x = tf.zeros((1 << 20,))
+        print(json.dumps({"text": repr(m)}))
+        """,
+        env={"TF_CPU_ALLOCATOR_USE_BFC": ""},
+    )
+    assert "not lab mode" in out["text"]

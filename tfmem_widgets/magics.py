@@ -1,0 +1,178 @@
+"""%tfmem and %%tfmem: thin argument parsing around the core; results are objects."""
+
+from __future__ import annotations
+
+import argparse
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+
+from .device_setup import setup
+from .errors import SetupError
+from .measure import measure
+from .report import report
+
+# More logical devices than this on one GPU is a typo for sizes ("--split 2048").
+_MAX_SPLIT_COUNT = 64
+
+
+def _mb(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MB, got {text!r}")
+    return value
+
+
+def _mb_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else _mb(text)
+
+
+def _gpu_index(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a GPU index (0, 1, ...), got {text!r}")
+    return int(text)
+
+
+def _limit(text: str):
+    """'4096' for every GPU, or '0=4096,1=2048' per GPU."""
+    if "=" not in text:
+        return _mb(text)
+    limits = {}
+    for part in text.split(","):
+        index, sep, mb = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected GPU=MB pairs like 0=4096,1=2048, got {text!r}")
+        limits[_gpu_index(index)] = _mb(mb)
+    return limits
+
+
+def _split(text: str):
+    """'2' (a count) or '2048,2048' (sizes in MB)."""
+    if "," in text:
+        return [_mb(part) for part in text.split(",")]
+    count = _mb(text)
+    if count > _MAX_SPLIT_COUNT:
+        raise argparse.ArgumentTypeError(
+            f"{count} logical devices is more than {_MAX_SPLIT_COUNT}: list sizes with commas "
+            f"(--split {count},{count}) or give one limit with --limit {count}"
+        )
+    return count
+
+
+def _gpus(text: str):
+    if text.strip().lower() == "none":
+        return []
+    return [_gpu_index(part) for part in text.split(",")]
+
+
+def _parsers():
+    line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup}")
+    commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
+    s = commands.add_parser(
+        "setup",
+        help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
+        description="Without options and without a GPU: lab mode, 1024 MB.",
+    )
+    s.add_argument("--lab", type=_mb, metavar="MB", dest="lab_mb",
+                   help="lab mode: TensorFlow's CPU allocator becomes its BFC allocator with this limit")
+    growth = s.add_mutually_exclusive_group()
+    growth.add_argument("--growth", action="store_const", const=True, dest="growth",
+                        help="memory growth on every visible GPU (tf.config)")
+    growth.add_argument("--no-growth", action="store_const", const=False, dest="growth",
+                        help="preallocate (TensorFlow's default)")
+    s.add_argument("--force-growth", action="store_const", const=True, dest="force_growth",
+                   help="TF_FORCE_GPU_ALLOW_GROWTH=true: growth that also works with --limit/--split")
+    s.add_argument("--limit", type=_limit, metavar="MB|GPU=MB,...", dest="limit_mb",
+                   help="memory limit for every visible GPU, or per GPU (0=4096,1=2048)")
+    s.add_argument("--split", type=_split, metavar="N|MB,MB,...",
+                   help="logical devices per GPU: a count (divides the limit) or sizes in MB")
+    s.add_argument("--gpus", type=_gpus, metavar="0,1|none", help="the GPUs TensorFlow may use")
+    s.add_argument("--allocator", choices=["bfc", "cuda_malloc_async"], help="TF_GPU_ALLOCATOR")
+    s.add_argument("--reserve", type=_mb_or_zero, metavar="MB", dest="reserve_mb",
+                   help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
+    s.add_argument("--cpus", type=_mb, metavar="N", help="split the CPU into N logical devices")
+
+    cell = MagicArgumentParser(
+        prog="%tfmem",
+        description="Run the cell and report the exact peak and net change of TensorFlow's allocator.",
+    )
+    cell.add_argument("-d", "--device", default=None,
+                      help="the device to measure, e.g. GPU:0 or CPU:0 (default: first GPU, else CPU)")
+    cell.add_argument("-o", dest="output", action="store_true", help="return the Measurement")
+    cell.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
+    cell.add_argument("-v", dest="variable", metavar="NAME", help="store the Measurement in NAME")
+    return line, cell
+
+
+_LINE_PARSER, _CELL_PARSER = _parsers()
+
+
+def _parse(parser: MagicArgumentParser, text: str):
+    try:
+        return parser.parse_argstring(text)
+    except UsageError as exc:
+        magic = "%%tfmem" if parser is _CELL_PARSER else "%tfmem"
+        raise UsageError(f"{magic}: {exc}. See %tfmem? for the options.") from None
+
+
+@magics_class
+class TfmemMagics(Magics):
+    @line_cell_magic
+    def tfmem(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._line(line)
+        return self._cell(line, cell)
+
+    def _line(self, line: str):
+        args = _parse(_LINE_PARSER, line)
+        try:
+            if args.command in (None, "report"):
+                return report()
+            options = {
+                name: getattr(args, name)
+                for name in ("growth", "force_growth", "limit_mb", "split", "gpus",
+                             "allocator", "lab_mb", "reserve_mb", "cpus")
+            }
+            return setup(**options)
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _cell(self, line: str, cell: str):
+        args = _parse(_CELL_PARSER, line)
+        if args.variable is not None and not args.variable.isidentifier():
+            raise UsageError(f"%%tfmem: -v needs a Python name, got {args.variable!r}.")
+        try:
+            block = measure(args.device)
+            with block as measurement:
+                outcome = self.shell.run_cell(cell, store_history=False)
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+        failure = outcome.error_before_exec or outcome.error_in_exec
+        if failure is not None:
+            measurement.error = type(failure).__name__
+        if args.variable:
+            self.shell.user_ns[args.variable] = measurement
+        if not args.quiet:
+            print(repr(measurement))
+        return measurement if args.output else None
+
+
+def _help() -> str:
+    return (
+        "TensorFlow memory from a notebook.\n\n"
+        "%tfmem                  report: TensorFlow's figures per device, the driver's, the host's\n"
+        "%tfmem setup [options]  set devices up before TensorFlow's runtime starts\n"
+        "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
+        "                        run the cell; exact peak and net change of the allocator\n\n"
+        + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()
+        + "\n"
+        + _CELL_PARSER.format_help()
+    )
+
+
+TfmemMagics.tfmem.__doc__ = _help()

@@ -14,9 +14,6 @@ import textwrap
 
 import pytest
 
-# TensorFlow's C++ start-up chatter (e.g. "failed call to cuInit" on a machine without a
-# GPU) goes to fd 2; keep it out of test output and out of nbval's stderr comparisons.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 SESSION_LAB_MB = 256
 
@@ -69,3 +66,4 @@ def shell(lab_session):
     ip = start_ipython()
     ip.run_line_magic("load_ext", "tfmem_widgets")
     yield ip
+

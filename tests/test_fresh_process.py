@@ -19,7 +19,8 @@ def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
         before = runtime_started()
         result = ip.run_line_magic("tfmem", "setup --lab 64")
         import tensorflow as tf
-        small = tf.zeros((10,))                          # 40 bytes: a 256-byte BFC chunk
+        with tf.device("CPU:0"):
+            small = tf.zeros((10,))                      # 40 bytes: a 256-byte BFC chunk
         info = tf.config.experimental.get_memory_info("CPU:0")
         print(json.dumps({"imported_tf": imported, "started_before_setup": before,
                           "report_started": report.runtime_started, "changed": result.changed,
@@ -41,7 +42,7 @@ def test_done_when_scenario_in_a_fresh_shell():
         cell = "\\n".join(["import tensorflow as tf",
                            "x = tf.zeros((2 << 20,))           # kept: 8 MiB",
                            "y = tf.zeros((4 << 20,)); del y    # 16 MiB while x exists"])
-        m = ip.run_cell_magic("tfmem", "-o -q", cell)
+        m = ip.run_cell_magic("tfmem", "-o -q", cell)   # no GPU here: the CPU in lab mode
         from IPython.core.error import UsageError
         try:
             ip.run_line_magic("tfmem", "setup --lab 128")
@@ -65,7 +66,8 @@ def test_lab_limit_is_real_an_allocation_over_it_raises_resource_exhausted():
         tfmem_widgets.setup(lab_mb=64)
         import tensorflow as tf
         try:
-            tf.zeros((20 << 20,))   # 80 MiB
+            with tf.device("CPU:0"):
+                tf.zeros((20 << 20,))   # 80 MiB
             error = None
         except tf.errors.ResourceExhaustedError as exc:
             error = str(exc).splitlines()[0]
@@ -126,7 +128,7 @@ def test_without_lab_mode_the_cpu_figures_carry_a_warning():
         """
         import json, tfmem_widgets
         import tensorflow as tf
-        with tfmem_widgets.measure("CPU") as m:
+        with tf.device("CPU:0"), tfmem_widgets.measure("CPU") as m:
             x = tf.zeros((1 << 20,))
         print(json.dumps({"text": repr(m)}))
         """,

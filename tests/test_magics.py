@@ -8,11 +8,13 @@ from IPython.core.error import UsageError
 import tfmem_widgets
 from tfmem_widgets.units import MiB
 
+# Tests here run on the CPU in lab mode, also on a machine with a GPU.
 KEEP_8_DROP_16 = """
 import tensorflow as tf
-kept = tf.zeros((2 << 20,))          # 8 MiB of float32
-transient = tf.zeros((4 << 20,))     # 16 MiB, dropped within the cell
-del transient
+with tf.device("CPU:0"):
+    kept = tf.zeros((2 << 20,))          # 8 MiB of float32
+    transient = tf.zeros((4 << 20,))     # 16 MiB, dropped within the cell
+    del transient
 """
 
 
@@ -28,7 +30,7 @@ def one_line_usage_error(shell, line, cell=None):
 
 
 def test_cell_magic_reports_exact_peak_and_net(shell, capsys):
-    m = shell.run_cell_magic("tfmem", "-o", KEEP_8_DROP_16)
+    m = shell.run_cell_magic("tfmem", "-o -d CPU:0", KEEP_8_DROP_16)
     printed = capsys.readouterr().out
     assert abs(m.peak_bytes - 24 * MiB) <= 4096
     assert abs(m.delta_bytes - 8 * MiB) <= 4096
@@ -38,14 +40,18 @@ def test_cell_magic_reports_exact_peak_and_net(shell, capsys):
 
 
 def test_quiet_and_variable(shell, capsys):
-    result = shell.run_cell_magic("tfmem", "-q -v cell_m", "import tensorflow as tf\nz = tf.ones((1 << 18,))\ndel z")
+    result = shell.run_cell_magic(
+        "tfmem", "-q -v cell_m -d CPU:0",
+        "import tensorflow as tf\nwith tf.device('CPU:0'):\n    z = tf.ones((1 << 18,))\ndel z")
     assert result is None and capsys.readouterr().out == ""
     m = shell.user_ns["cell_m"]
     assert m.delta_bytes == 0 and m.peak_bytes >= 1 * MiB
 
 
 def test_a_failing_cell_still_reports_and_the_shell_keeps_working(shell, capsys):
-    m = shell.run_cell_magic("tfmem", "-o", "import tensorflow as tf\nw = tf.zeros((1 << 18,))\n1/0")
+    m = shell.run_cell_magic(
+        "tfmem", "-o -d CPU:0",
+        "import tensorflow as tf\nwith tf.device('CPU:0'):\n    w = tf.zeros((1 << 18,))\n1/0")
     out = capsys.readouterr().out
     assert m.error == "ZeroDivisionError" and "raised ZeroDivisionError" in out
     # w stays. The allocator hands out a whole free chunk when it is under twice the
@@ -58,10 +64,10 @@ def test_a_failing_cell_still_reports_and_the_shell_keeps_working(shell, capsys)
 def test_nested_measures_keep_the_outer_peak(lab_session):
     import tensorflow as tf
 
-    with tfmem_widgets.measure() as outer:
+    with tf.device("CPU:0"), tfmem_widgets.measure("CPU:0") as outer:
         big = tf.zeros((4 << 20,))  # 16 MiB, gone before the inner block
         del big
-        with tfmem_widgets.measure() as inner:
+        with tfmem_widgets.measure("CPU:0") as inner:
             small = tf.zeros((1 << 20,))  # 4 MiB
             del small
     assert abs(inner.peak_bytes - 4 * MiB) <= 4096
@@ -72,7 +78,8 @@ def test_nested_measures_keep_the_outer_peak(lab_session):
 def test_report_shows_lab_mode_and_the_allocator(shell):
     import tensorflow as tf
 
-    keep = tf.zeros((1 << 20,))
+    with tf.device("CPU:0"):
+        keep = tf.zeros((1 << 20,))
     r = shell.run_line_magic("tfmem", "")
     cpu = r.cpus[0]
     assert r.runtime_started and r.lab_limit_bytes == 256 * MiB

@@ -1,0 +1,47 @@
+"""Set-up for the whole test run: notebook kernels (nbval) and the tests in tests/.
+
+TensorFlow's C++ start-up lines ("Could not find cuda drivers...", with timestamps and
+process ids) go to file descriptor 2 before its logging is configured, so no log level
+hides them, and ipykernel forwards fd 2 into the notebook as stderr. They differ by
+machine and run, so the kernels that record and check the workbook leave fd 2 alone;
+Python's own stderr (warnings, tracebacks) is still captured and compared.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_KERNEL_CONFIG = "c.IPKernelApp.capture_fd_output = False\n"
+
+
+def quiet_kernel_environment() -> dict:
+    """Environment variables for kernels that do not forward fd 2 into notebooks."""
+    ipython_dir = Path(tempfile.mkdtemp(prefix="tfmem-ipython-"))
+    profile = ipython_dir / "profile_default"
+    profile.mkdir()
+    (profile / "ipython_kernel_config.py").write_text(_KERNEL_CONFIG)
+    return {"IPYTHONDIR": str(ipython_dir), "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
+
+
+# nbval's kernels and the tests' fresh processes inherit this process's environment.
+os.environ.update(quiet_kernel_environment())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """nbval starts each notebook's kernel in its first cell's setup: give it an environment
+    without this process's lab-mode variables, so every notebook starts as a reader's would."""
+    if not type(item).__module__.startswith("nbval"):
+        yield
+        return
+    from tfmem_widgets import runtime
+
+    names = (runtime.LAB_USE_BFC_ENV, runtime.LAB_LIMIT_ENV, runtime.GPU_ALLOCATOR_ENV,
+             runtime.FORCE_GROWTH_ENV, runtime.MIN_SYS_MEMORY_ENV)
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

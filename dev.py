@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Set everything up in ./.venv, then open the workbook or run every test.
+
+    python3 dev.py lab     # JupyterLab on notebooks/ (lab mode where there is no GPU)
+    python3 dev.py test    # pytest: unit, magic, fresh-process and notebook (nbval) tests
+    python3 dev.py record  # re-run the notebooks in place, storing their outputs for nbval
+
+Needs only Python 3.10+. Extra arguments go to jupyter lab / pytest. On a machine where
+`nvidia-smi` answers, TensorFlow's CUDA libraries are installed too (extra 'gpu').
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+
+
+def _has_nvidia_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _run(*args) -> None:
+    print("+", " ".join(str(a) for a in args), flush=True)
+    subprocess.run([str(a) for a in args], check=True, cwd=ROOT)
+
+
+def ensure_environment(extras: list[str]) -> None:
+    """Create .venv if needed and install the package with `extras` (quick when done)."""
+    if sys.version_info < (3, 10):
+        sys.exit(f"tfmem_widgets needs Python 3.10 or newer; this is {sys.version.split()[0]}.")
+    if not PYTHON.exists():
+        print(f"creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+        _run(PYTHON, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    if _has_nvidia_gpu():
+        extras = extras + ["gpu"]
+    _run(PYTHON, "-m", "pip", "install", "--quiet", "-e", f".[{','.join(extras)}]")
+
+
+def record_notebooks(paths: list[str]) -> int:
+    """Execute notebooks in place with the same kernel settings as the nbval tests."""
+    sys.path.insert(0, str(ROOT))
+    from conftest import quiet_kernel_environment
+
+    env = {**os.environ, **quiet_kernel_environment()}
+    notebooks = paths or sorted(str(p) for p in (ROOT / "notebooks").glob("*.ipynb"))
+    for notebook in notebooks:
+        print("recording", notebook, flush=True)
+        subprocess.run(
+            [str(PYTHON), "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--inplace",
+             "--ExecutePreprocessor.timeout=600", notebook],
+            check=True, cwd=ROOT, env=env,
+        )
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("lab", "test", "record"):
+        print(__doc__.strip())
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "lab":
+        ensure_environment(["lab"])
+        return subprocess.run(
+            [str(PYTHON), "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks"), *rest],
+            cwd=ROOT,
+        ).returncode
+    ensure_environment(["test"])
+    if command == "record":
+        return record_notebooks(rest)
+    code = subprocess.run([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT).returncode
+    if code == 5:  # pytest: no tests were collected, which must never pass
+        print("dev.py: pytest collected no tests", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,222 @@
+"""The GPU paths on a real GPU: TensorFlow's GPU runtime, its BFC allocator, NVML.
+
+Each test runs in a fresh process, since device setup is fixed once TensorFlow's runtime
+starts. Only allocation and elementwise ops are used (tf.zeros / tf.fill / +), which run
+on every CUDA build. Skipped where TensorFlow sees no GPU.
+"""
+
+import textwrap
+
+import pytest
+
+from conftest import run_fresh
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+PRELUDE = """
+import json, os
+import tfmem_widgets
+from tfmem_widgets import nvml
+def used():
+    return nvml.read_gpu(nvml.nvml_index_for_cuda_ordinal(0, nvml.read_gpus())).used_bytes
+"""
+
+
+def fresh(code, env=None, first=""):
+    return run_fresh(PRELUDE + first + "\n" + textwrap.dedent(code), env=env)
+
+
+def test_default_limit_is_free_memory_minus_the_reserve_and_the_gap_adds_up():
+    out = fresh(
+        """
+        import tensorflow as tf
+        tf.config.list_logical_devices("GPU")            # creates the CUDA context and the devices
+        free_after_context = nvml.read_gpus()[0].free_bytes
+        r = tfmem_widgets.report()
+        gpu = r.gpus[0]
+        print(json.dumps({"limit": gpu.limit_bytes, "free": free_after_context,
+                          "total": gpu.memory.total_bytes, "gap": [[i.bytes, i.label] for i in gpu.gap],
+                          "cc": list(gpu.compute_capability), "text": repr(r)}))
+        """
+    )
+    print(out["text"])
+    from tfmem_widgets.default_limit import system_reserve
+
+    reserve, _ = system_reserve(out["free"], out["cc"][0], env={})
+    # TensorFlow reads free memory itself, a few MiB apart from NVML's reading after it.
+    assert abs(out["limit"] - (out["free"] - reserve)) <= 16 * MiB
+    assert sum(b for b, _ in out["gap"]) == out["total"] - out["limit"]
+    assert out["gap"][0][0] == reserve and "system reserve" in out["gap"][0][1]
+
+
+def test_without_growth_the_first_tensor_takes_the_whole_limit():
+    out = fresh(
+        """
+        import tensorflow as tf
+        tf.config.list_logical_devices("GPU")
+        before = used()
+        x = tf.zeros((256,))
+        jump = used() - before
+        limit = tfmem_widgets.report().gpus[0].limit_bytes
+        print(json.dumps({"jump": jump, "limit": limit}))
+        """
+    )
+    assert abs(out["jump"] - out["limit"]) <= 64 * MiB
+
+
+def test_growth_grows_in_regions_and_never_gives_back():
+    out = fresh(
+        """
+        r = tfmem_widgets.setup(growth=True)
+        import tensorflow as tf, gc
+        tf.config.list_logical_devices("GPU")
+        start = used()
+        small = tf.zeros((256,))
+        after_small = used() - start
+        with tfmem_widgets.measure() as m:
+            big = tf.zeros((25 << 20,))            # 100 MiB
+        after_big = used() - start
+        del small, big; gc.collect()
+        after_del = used() - start
+        print(json.dumps({"code": r.code, "small": after_small, "big": after_big, "after_del": after_del,
+                          "peak": m.peak_bytes, "current": tf.config.experimental.get_memory_info("GPU:0")["current"]}))
+        """
+    )
+    assert "set_memory_growth(gpus[0], True)" in out["code"]
+    assert out["small"] <= 8 * MiB, "growth: the first region is small"
+    assert 100 * MiB <= out["big"] <= 300 * MiB
+    assert out["after_del"] == out["big"], "nothing goes back to the driver"
+    assert out["current"] < 1 * MiB
+
+
+def test_logical_devices_each_preallocate_their_limit_and_force_growth_stops_it():
+    code = """
+        import tensorflow as tf
+        names = [d.name for d in tf.config.list_logical_devices("GPU")]
+        jumps = []
+        for name in names:
+            before = used()
+            with tf.device(name):
+                x = tf.zeros((256,))
+            jumps.append(used() - before)
+        r = tfmem_widgets.report()
+        print(json.dumps({"names": [n.split("device:")[-1] for n in names], "jumps": jumps,
+                          "limits": [d.limit_bytes for d in r.gpus[0].devices], "text": repr(r)}))
+        """
+    pre = fresh(code, first="tfmem_widgets.setup(split=[1024, 512])")
+    print(pre["text"])
+    assert pre["names"] == ["GPU:0", "GPU:1"]
+    assert pre["limits"] == [1024 * MiB, 512 * MiB]
+    assert abs(pre["jumps"][0] - 1024 * MiB) <= 8 * MiB and abs(pre["jumps"][1] - 512 * MiB) <= 8 * MiB
+    grow = fresh(code, first="tfmem_widgets.setup(split=[1024, 512], force_growth=True)")
+    assert all(j <= 16 * MiB for j in grow["jumps"])
+
+
+def test_split_by_count_divides_what_tensorflow_may_use():
+    out = fresh(
+        """
+        r = tfmem_widgets.setup(split=2)
+        import tensorflow as tf
+        print(json.dumps({"sizes": [len(tf.config.list_logical_devices("GPU"))], "code": r.code}))
+        """
+    )
+    assert out["sizes"] == [2] and out["code"].count("memory_limit=") == 2
+
+
+def test_tensorflows_own_rules_and_ours_agree():
+    out = fresh(
+        """
+        import tensorflow as tf
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        errors = {}
+        # TensorFlow: growth after logical devices raises.
+        tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except ValueError as exc:
+            errors["tf"] = str(exc)
+        try:
+            tfmem_widgets.setup(growth=True)
+        except tfmem_widgets.SetupError as exc:
+            errors["ours"] = str(exc)
+        try:
+            tfmem_widgets.setup(limit_mb=10**7)
+        except tfmem_widgets.SetupError as exc:
+            errors["too_big"] = str(exc)
+        try:
+            tfmem_widgets.setup(gpus=[7])
+        except tfmem_widgets.SetupError as exc:
+            errors["no_gpu"] = str(exc)
+        tf.zeros((4,))
+        try:
+            tfmem_widgets.setup(force_growth=True)
+        except tfmem_widgets.SetupError as exc:
+            errors["late"] = str(exc)
+        print(json.dumps(errors))
+        """
+    )
+    assert "Cannot set memory growth on device when virtual devices configured" in out["tf"]
+    assert "already has logical devices" in out["ours"]
+    assert "in all (NVML)" in out["too_big"]
+    assert "no GPU 7" in out["no_gpu"]
+    assert "already started" in out["late"]
+
+
+def test_growth_set_earlier_then_a_limit_is_refused_before_tensorflow_drops_it():
+    out = fresh(
+        """
+        tfmem_widgets.setup(growth=True)
+        try:
+            tfmem_widgets.setup(limit_mb=1024)
+            refusal = None
+        except tfmem_widgets.SetupError as exc:
+            refusal = str(exc)
+        # What the popular snippet does instead: accepted by TensorFlow, growth silently gone.
+        import tensorflow as tf
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
+        tf.config.list_logical_devices("GPU")
+        before = used()
+        x = tf.zeros((256,))
+        print(json.dumps({"refusal": refusal, "jump": used() - before}))
+        """
+    )
+    assert "silently drop" in out["refusal"]
+    assert abs(out["jump"] - 1024 * MiB) <= 8 * MiB, "growth was dropped: the whole limit is taken"
+
+
+def test_measure_and_magics_on_the_gpu():
+    out = fresh(
+        """
+        from IPython.testing.globalipapp import start_ipython
+        ip = start_ipython()
+        ip.run_line_magic("load_ext", "tfmem_widgets")
+        ip.run_line_magic("tfmem", "setup --growth")
+        cell = "\\\\n".join(["import tensorflow as tf",
+                           "x = tf.zeros((2 << 20,))",
+                           "y = tf.zeros((4 << 20,)); del y"])
+        m = ip.run_cell_magic("tfmem", "-o -q", cell)
+        r = ip.run_line_magic("tfmem", "")
+        print(json.dumps({"device": m.device, "peak": m.peak_bytes, "delta": m.delta_bytes, "text": repr(r)}))
+        """
+    )
+    print(out["text"])
+    assert out["device"] == "GPU:0"
+    assert abs(out["peak"] - 24 * MiB) <= 4096 and abs(out["delta"] - 8 * MiB) <= 4096
+    assert "NVML" in out["text"] and "this process" in out["text"]
+
+
+def test_cuda_malloc_async_counts_unrounded_bytes():
+    out = fresh(
+        """
+        r = tfmem_widgets.setup(allocator="cuda_malloc_async")
+        import tensorflow as tf
+        with tfmem_widgets.measure() as m:
+            x = tf.zeros((25 << 20,))             # 100 MiB
+        print(json.dumps({"code": r.code, "peak": m.peak_bytes, "text": repr(tfmem_widgets.report())}))
+        """
+    )
+    print(out["text"])
+    assert 'TF_GPU_ALLOCATOR"] = "cuda_malloc_async"' in out["code"]
+    assert 100 * MiB <= out["peak"] < 100 * MiB + 64 * 1024

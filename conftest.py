@@ -36,11 +36,9 @@ def pytest_runtest_setup(item):
     if not type(item).__module__.startswith("nbval"):
         yield
         return
-    from tfmem_widgets import runtime
+    from tfmem_widgets.runtime import SETUP_ENV_VARS
 
-    names = (runtime.LAB_USE_BFC_ENV, runtime.LAB_LIMIT_ENV, runtime.GPU_ALLOCATOR_ENV,
-             runtime.FORCE_GROWTH_ENV, runtime.MIN_SYS_MEMORY_ENV)
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    saved = {name: os.environ.pop(name) for name in SETUP_ENV_VARS if name in os.environ}
     try:
         yield
     finally:

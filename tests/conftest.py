@@ -19,8 +19,13 @@ SESSION_LAB_MB = 256
 
 
 def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
-    """Run `code` in a new Python process; it must print one JSON object as its last line."""
-    full_env = dict(os.environ)
+    """Run `code` in a new Python process; it must print one JSON object as its last line.
+
+    The process starts as a reader's would: without this process's setup variables.
+    """
+    from tfmem_widgets.runtime import SETUP_ENV_VARS
+
+    full_env = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
     full_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -193,7 +193,7 @@ def test_measure_and_magics_on_the_gpu():
         ip = start_ipython()
         ip.run_line_magic("load_ext", "tfmem_widgets")
         ip.run_line_magic("tfmem", "setup --growth")
-        cell = "\\\\n".join(["import tensorflow as tf",
+        cell = "\\n".join(["import tensorflow as tf",
                            "x = tf.zeros((2 << 20,))",
                            "y = tf.zeros((4 << 20,)); del y"])
         m = ip.run_cell_magic("tfmem", "-o -q", cell)

@@ -84,11 +84,8 @@ def read_gpu(nvml_index: int) -> GpuMemory:
     processes = tuple(
         ProcessGpuMemory(
             pid=int(p.pid),
-            used_bytes=(
-                None
-                if p.usedGpuMemory is None or p.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE
-                else int(p.usedGpuMemory)
-            ),
+            # pynvml turns the driver's "not available" marker into None.
+            used_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory),
         )
         for p in procs
     )

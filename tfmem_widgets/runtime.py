@@ -24,6 +24,8 @@ LAB_ALLOCATOR_NAME = "bfc_cpu_allocator_for_gpu"
 GPU_ALLOCATOR_ENV = "TF_GPU_ALLOCATOR"
 FORCE_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 MIN_SYS_MEMORY_ENV = "TF_DEVICE_MIN_SYS_MEMORY_IN_MB"
+# Every variable setup may write: TensorFlow reads each once, when its runtime starts.
+SETUP_ENV_VARS = (LAB_USE_BFC_ENV, LAB_LIMIT_ENV, GPU_ALLOCATOR_ENV, FORCE_GROWTH_ENV, MIN_SYS_MEMORY_ENV)
 
 
 def tensorflow():

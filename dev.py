@@ -75,8 +75,10 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "lab":
         ensure_environment(["lab"])
+        # Containers and CI often run as root, which JupyterLab refuses unless told.
+        as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
         return subprocess.run(
-            [str(PYTHON), "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks"), *rest],
+            [str(PYTHON), "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks"), *as_root, *rest],
             cwd=ROOT,
         ).returncode
     ensure_environment(["test"])

@@ -7,15 +7,28 @@ only possible before its runtime starts, so nothing here may start it early.
     %tfmem setup --lab 256        # or --growth, --limit 4096, --split 2 ... on a GPU
     %tfmem                        # TensorFlow's figures next to the driver's and the host's
     %%tfmem                       # exact peak and net change of a cell
+    %%tfmem trace                 # every allocation of a cell, its memory map, the OOM dump
 """
 
+from .allocator_map import AllocatorMap, Chunk, Region
+from .bfc_dump import load_memory_dump, parse_bfc_dump
 from .device_setup import SetupResult, setup
 from .errors import SetupError
 from .measure import Measurement, measure
 from .report import MemoryReport, report
+from .trace import Trace, trace
+from .xplane import TraceDataError
 
 __version__ = "0.1.0"
 __all__ = [
+    "AllocatorMap",
+    "Chunk",
+    "Region",
+    "Trace",
+    "TraceDataError",
+    "load_memory_dump",
+    "parse_bfc_dump",
+    "trace",
     "Measurement",
     "MemoryReport",
     "SetupError",

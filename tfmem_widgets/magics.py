@@ -12,6 +12,7 @@ from .device_setup import setup
 from .errors import SetupError
 from .measure import measure
 from .report import report
+from .trace import trace
 
 # More logical devices than this on one GPU is a typo for sizes ("--split 2048").
 _MAX_SPLIT_COUNT = 64
@@ -101,6 +102,10 @@ def _parsers():
         prog="%tfmem",
         description="Run the cell and report the exact peak and net change of TensorFlow's allocator.",
     )
+    cell.add_argument("mode", nargs="?", choices=["trace"],
+                      help="trace: record every allocation of the cell (memory map, OOM dump)")
+    cell.add_argument("--keep", metavar="DIR", help="trace: keep the profiler's files in DIR")
+    cell.add_argument("--plot", action="store_true", help="trace: draw the memory map and the timeline")
     cell.add_argument("-d", "--device", default=None,
                       help="the device to measure, e.g. GPU:0 or CPU:0 (default: first GPU, else CPU)")
     cell.add_argument("-o", dest="output", action="store_true", help="return the Measurement")
@@ -146,6 +151,10 @@ class TfmemMagics(Magics):
         args = _parse(_CELL_PARSER, line)
         if args.variable is not None and not args.variable.isidentifier():
             raise UsageError(f"%%tfmem: -v needs a Python name, got {args.variable!r}.")
+        if args.mode == "trace":
+            return self._trace(args, cell)
+        if args.keep or args.plot:
+            raise UsageError("%%tfmem: --keep and --plot go with trace (%%tfmem trace --plot).")
         try:
             block = measure(args.device)
             with block as measurement:
@@ -162,13 +171,43 @@ class TfmemMagics(Magics):
         return measurement if args.output else None
 
 
+    def _trace(self, args, cell: str):
+        if args.device is not None:
+            raise UsageError("%%tfmem trace records every allocator at once: leave out -d.")
+        block = trace(keep=args.keep)
+        try:
+            block.__enter__()
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+        outcome = None
+        try:
+            outcome = self.shell.run_cell(cell, store_history=False)
+        finally:
+            failure = None if outcome is None else (outcome.error_before_exec or outcome.error_in_exec)
+            block.__exit__(type(failure) if failure else None, failure, None)
+        result = block.result
+        if args.variable:
+            self.shell.user_ns[args.variable] = result
+        if not args.quiet:
+            print(repr(result))
+            if args.plot and len(result.allocators):
+                import matplotlib.pyplot as plt
+
+                result.plot_map()
+                result.plot_timeline()
+                plt.show()
+        return result if args.output else None
+
+
 def _help() -> str:
     return (
         "TensorFlow memory from a notebook.\n\n"
         "%tfmem                  report: TensorFlow's figures per device, the driver's, the host's\n"
         "%tfmem setup [options]  set devices up before TensorFlow's runtime starts\n"
         "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
-        "                        run the cell; exact peak and net change of the allocator\n\n"
+        "                        run the cell; exact peak and net change of the allocator\n"
+        "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
+        "                        every allocation of the cell: memory map, peak by op, OOM dump\n\n"
         + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()
         + "\n"
         + _CELL_PARSER.format_help()

@@ -1,0 +1,433 @@
+"""Capture TensorFlow's allocator events for a block of code, and the OOM dump if one happens.
+
+``with trace() as t:`` runs the block under TensorFlow's profiler, reads the allocation
+events from the xplane.pb it writes, and keeps TensorFlow's own dump of the allocator when
+an allocation fails (the binary MemoryDump through TF_BFC_MEMORY_DUMP, and the text dump the
+allocator logs to file descriptor 2, captured for the block and still shown). The result
+rebuilds the allocator's chunks at any moment (``t.map(at=...)``).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .allocator_map import AllocatorMap, Chunk
+from .bfc_dump import load_memory_dump, parse_bfc_dump
+from .errors import SetupError
+from .replay import Replay, fragmentation_series
+from .runtime import (
+    FORCE_GROWTH_ENV,
+    GPU_ALLOCATOR_ENV,
+    LAB_ALLOCATOR_NAME,
+    lab_limit_bytes,
+    logical_devices,
+    physical_gpus,
+    runtime_started,
+    tensorflow,
+)
+from .units import format_bytes
+from .xplane import AllocatorEvents, TraceDataError, read_xspace
+
+DUMP_ENV = "TF_BFC_MEMORY_DUMP"
+_DTYPE_BYTES = {
+    "float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
+    "complex64": 8, "complex128": 16,
+}
+_OOM = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
+_active = threading.Lock()
+
+
+@dataclass(frozen=True)
+class OomInfo:
+    """A failed allocation inside the traced block."""
+
+    allocator: str
+    message: str  # TensorFlow's first line
+    request_bytes: int | None  # the failed request, rounded as the allocator rounds it
+
+
+def _oom_info(exc: BaseException, dump_text: str) -> OomInfo | None:
+    found = _OOM.search(str(exc))
+    if not found:
+        return None
+    message = str(exc)[found.start():].splitlines()[0]
+    dims = [int(d) for d in found.group(1).replace(" ", "").split(",") if d]
+    count = int(np.prod(dims)) if dims else 1
+    request = None
+    rounded = re.search(r"\(rounded to (\d+)\)", dump_text)
+    if rounded:
+        request = int(rounded.group(1))
+    elif found.group(2) in _DTYPE_BYTES:
+        request = max(256, -(-count * _DTYPE_BYTES[found.group(2)] // 256) * 256)
+    return OomInfo(found.group(3).rstrip(".,"), message, request)
+
+
+def _allocator_growth() -> dict[str, bool]:
+    """Whether each allocator grows its pool (lab mode always does)."""
+    growth = {LAB_ALLOCATOR_NAME: True}
+    forced = os.environ.get(FORCE_GROWTH_ENV, "") == "true"
+    gpus = {g.index: g for g in physical_gpus()}
+    for device in logical_devices(list(gpus.values())):
+        if device.device_type == "GPU":
+            gpu = gpus[device.physical_index]
+            grows = forced or (gpu.growth and gpu.logical_limits_mb is None)
+            growth[f"GPU_{device.name.split(':')[1]}_bfc"] = grows
+    return growth
+
+
+class Trace:
+    """The allocator events of a block, per allocator, and what happened at its end."""
+
+    def __init__(self, events: dict[str, AllocatorEvents], fresh: bool, growth: dict[str, bool],
+                 oom: OomInfo | None = None, dumps: dict[str, AllocatorMap] | None = None,
+                 text_dump: AllocatorMap | None = None, logdir: str | None = None):
+        self._events = events
+        self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
+        self._growth = growth
+        self.oom = oom
+        self.dumps = dumps or {}
+        self.text_dump = text_dump
+        self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
+        self._replays: dict[str, Replay] = {}
+
+    # -- which allocator ---------------------------------------------------------------
+    @property
+    def allocators(self) -> list[str]:
+        return sorted(self._events, key=lambda n: (not n.startswith("GPU"), n))
+
+    def _name(self, allocator: str | None) -> str:
+        if not self._events:
+            raise TraceDataError(
+                "the trace holds no allocator events: nothing in the block allocated through a BFC "
+                "allocator (on the CPU that needs lab mode: %tfmem setup --lab N before any TensorFlow "
+                "work; with TF_GPU_ALLOCATOR=cuda_malloc_async the GPU has no BFC chunks)."
+            )
+        if allocator is None:
+            if self.oom and self.oom.allocator in self._events:
+                return self.oom.allocator
+            return self.allocators[0]
+        if allocator not in self._events:
+            raise SetupError(f"no events of allocator {allocator!r} in this trace; it has {', '.join(self.allocators)}.")
+        return allocator
+
+    def events(self, allocator: str | None = None) -> AllocatorEvents:
+        return self._events[self._name(allocator)]
+
+    def _is_fresh(self, name: str) -> bool:
+        events = self._events[name]
+        return self.fresh and events.in_use_before() == 0
+
+    def _replay(self, name: str, index: int) -> Replay:
+        replay = self._replays.get(name)
+        if replay is None or replay.position > index:
+            replay = Replay(self._events[name], fresh=self._is_fresh(name), growth=self._growth.get(name, True))
+            self._replays[name] = replay
+        return replay.run_to(index)
+
+    # -- maps ----------------------------------------------------------------------------
+    def map(self, at: int | str | None = None, allocator: str | None = None) -> AllocatorMap:
+        """The allocator's chunks after event `at` ('peak' for the moment of peak).
+
+        at=None: the state when the block ended or failed; after an OOM that is TensorFlow's own
+        dump of the allocator, its chunks annotated with the ops the trace saw.
+        """
+        name = self._name(allocator)
+        events = self._events[name]
+        if at == "peak":
+            at = self.peak_index(name)
+        if at is None:
+            index = len(events) - 1
+            if name in self.dumps:
+                return self._annotated_dump(name, self.dumps[name])
+            if self.text_dump is not None and self.text_dump.allocator == name:
+                return self._annotated_dump(name, self.text_dump)
+        else:
+            index = int(at)
+            if not -len(events) <= index < len(events):
+                raise SetupError(f"at={at} is outside this trace: {name} has events 0 to {len(events) - 1}.")
+            index %= len(events)
+        notes = () if self._is_fresh(name) else (
+            "traced after earlier work: chunks from before the trace are counted, not drawn",)
+        return self._replay(name, index).snapshot(notes)
+
+    def _annotated_dump(self, name: str, dump: AllocatorMap) -> AllocatorMap:
+        replay = self._replay(name, len(self._events[name]) - 1)
+        events = self._events[name]
+        chunks = []
+        for chunk in dump.chunks:
+            known = replay.in_use.get(chunk.address) if chunk.in_use else None
+            if known is not None and known[0] == chunk.size:
+                k = known[1]
+                chunk = Chunk(chunk.address, chunk.size, True, chunk.requested, events.text(events.op, k) or chunk.op,
+                              events.text(events.shape, k), k)
+            chunks.append(chunk)
+        regions = dump.regions
+        notes = dump.notes
+        if dump.source == "dump" and self._is_fresh(name) and not replay.inconsistencies:
+            regions, notes = tuple(replay.regions), ()  # the trace knows the regions exactly
+        return AllocatorMap(
+            allocator=name, chunks=tuple(chunks), regions=regions, source=dump.source, complete=True,
+            limit_bytes=dump.limit_bytes or events.limit_bytes, event_index=len(events) - 1,
+            reported_fragmentation=dump.reported_fragmentation,
+            failed_request_bytes=self.oom.request_bytes if self.oom and self.oom.allocator == name
+            else dump.failed_request_bytes,
+            notes=notes,
+        )
+
+    # -- moments and series --------------------------------------------------------------
+    def peak_index(self, allocator: str | None = None) -> int:
+        """The event after which the allocator held the most (the first such event)."""
+        return int(np.argmax(self.events(allocator).in_use))
+
+    def peak_by_op(self, allocator: str | None = None) -> dict[str, int]:
+        """What the allocator held at its peak, per op."""
+        return self.map("peak", allocator).by_op()
+
+    def fragmentation_series(self, allocator: str | None = None) -> np.ndarray:
+        """The rebuilt fragmentation after every event (a trace from the first allocation)."""
+        name = self._name(allocator)
+        if not self._is_fresh(name):
+            raise SetupError(
+                f"{name} was traced after earlier work: its pool's layout before the trace is unknown, "
+                "so fragmentation can only be TensorFlow's own figure (events(...).fragmentation)."
+            )
+        return fragmentation_series(self._events[name], self._growth.get(name, True))
+
+    # -- pictures (matplotlib) -----------------------------------------------------------
+    def plot_map(self, allocator: str | None = None, ax=None):
+        """Address against time, each chunk coloured by its op (see plots.plot_map)."""
+        from .plots import plot_map
+
+        return plot_map(self, allocator, ax)
+
+    def plot_timeline(self, allocator: str | None = None, ax=None):
+        from .plots import plot_timeline
+
+        return plot_timeline(self, allocator, ax)
+
+    def plot_snapshot(self, at=None, allocator: str | None = None, ax=None):
+        from .plots import plot_snapshot
+
+        return plot_snapshot(self, at, allocator, ax)
+
+    # -- text ----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        if not self._events:
+            return "tfmem trace: no allocator events (nothing allocated through a BFC allocator)"
+        lines = []
+        for name in self.allocators:
+            e = self._events[name]
+            peak = self.peak_index(name)
+            top = list(self.peak_by_op(name).items())[:3]
+            lines.append(
+                f"tfmem trace {name}: {len(e)} events, in use {format_bytes(e.in_use_before())} -> "
+                f"{format_bytes(int(e.in_use[-1]))}, peak {format_bytes(int(e.in_use[peak]))} at event {peak} "
+                f"({', '.join(f'{op} {format_bytes(b)}' for op, b in top)})"
+            )
+            if not self._is_fresh(name):
+                lines.append(f"  traced after earlier work: {format_bytes(e.in_use_before())} from before the trace")
+        if self.oom:
+            lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
+            lines.append(repr(self.map(allocator=self.oom.allocator)))
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))
+
+    # -- export --------------------------------------------------------------------------
+    _COLUMNS = ("time_ns", "kind", "address", "size", "requested", "in_use", "peak", "available",
+                "fragmentation", "op", "shape", "region", "data_type")
+
+    def to_json(self, path: str | Path) -> None:
+        """Everything, losslessly: events, dumps, OOM; Trace.load gives the same maps back."""
+        data = {
+            "format": "tfmem-trace/1",
+            "fresh": self.fresh,
+            "growth": self._growth,
+            "oom": None if self.oom is None else vars(self.oom),
+            "dumps": {k: v.to_dict() for k, v in self.dumps.items()},
+            "text_dump": None if self.text_dump is None else self.text_dump.to_dict(),
+            "allocators": {
+                name: {"texts": e.texts, **{c: getattr(e, c).tolist() for c in self._COLUMNS}}
+                for name, e in self._events.items()
+            },
+        }
+        Path(path).write_text(json.dumps(data))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        try:
+            data = json.loads(Path(path).read_text())
+            if data.get("format") != "tfmem-trace/1":
+                raise ValueError("not a tfmem trace")
+            dtypes = {"time_ns": np.int64, "kind": np.int8, "address": np.uint64, "size": np.int64,
+                      "requested": np.int64, "in_use": np.int64, "peak": np.int64, "available": np.int64,
+                      "fragmentation": np.float64, "op": np.int32, "shape": np.int32, "region": np.int32,
+                      "data_type": np.int16}
+            events = {
+                name: AllocatorEvents(allocator=name, texts=cols["texts"],
+                                      **{c: np.array(cols[c], dtype=dtypes[c]) for c in cls._COLUMNS})
+                for name, cols in data["allocators"].items()
+            }
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TraceDataError(f"{path} is not a saved tfmem trace ({exc}).") from None
+        return cls(
+            events, data["fresh"], data["growth"],
+            oom=None if data["oom"] is None else OomInfo(**data["oom"]),
+            dumps={k: AllocatorMap.from_dict(v) for k, v in data["dumps"].items()},
+            text_dump=None if data["text_dump"] is None else AllocatorMap.from_dict(data["text_dump"]),
+        )
+
+    def to_csv(self, path: str | Path) -> None:
+        """One row per event: allocator, time, alloc/free, address, bytes, op, TensorFlow's figures."""
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["allocator", "time_ns", "event", "address", "bytes", "requested_bytes", "op",
+                             "shape", "region_type", "in_use_after", "peak_after", "fragmentation_after"])
+            for name in self.allocators:
+                e = self._events[name]
+                for i in range(len(e)):
+                    writer.writerow([
+                        name, int(e.time_ns[i]), "alloc" if e.kind[i] > 0 else "free", hex(int(e.address[i])),
+                        int(e.size[i]), int(e.requested[i]), e.text(e.op, i), e.text(e.shape, i),
+                        e.text(e.region, i), int(e.in_use[i]), int(e.peak[i]), float(e.fragmentation[i]),
+                    ])
+
+
+class _StderrCapture:
+    """File descriptor 2 into a temporary file for the block; shown again afterwards."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = None
+
+    def start(self):
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+
+    def stop(self) -> str:
+        if self._saved is None:
+            return ""
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._saved = None
+        self._file.seek(0)
+        data = self._file.read()
+        self._file.close()
+        if data:
+            os.write(2, data)  # the user still sees what TensorFlow logged
+        return data.decode(errors="replace")
+
+
+class trace:
+    """``with trace() as t:`` records every allocator event of the block.
+
+    keep: a folder to keep the profiler's files in (they are deleted otherwise).
+    An exception in the block (an OOM, Ctrl-C) stops the profiler, keeps what was captured
+    in ``t`` and propagates.
+
+    >>> with tfmem_widgets.trace() as t:
+    ...     model.fit(x, y, epochs=1)
+    >>> t.map("peak").by_op()
+    """
+
+    def __init__(self, keep: str | Path | None = None):
+        self.keep = None if keep is None else Path(keep)
+        self.result: Trace | None = None
+
+    def __enter__(self) -> "trace":
+        if not _active.acquire(blocking=False):
+            raise SetupError("a trace is already running: traces cannot nest (TensorFlow runs one profiler per process).")
+        try:
+            if os.environ.get(GPU_ALLOCATOR_ENV) == "cuda_malloc_async" and lab_limit_bytes() is None:
+                raise SetupError(
+                    "TF_GPU_ALLOCATOR=cuda_malloc_async: GPU memory is CUDA's pool, not TensorFlow's BFC "
+                    "allocator, so there are no chunks to trace; %%tfmem measures it."
+                )
+            self._fresh = not runtime_started()
+            self._growth = _allocator_growth()
+            if self.keep is not None:
+                self.keep.mkdir(parents=True, exist_ok=True)
+                self._logdir = str(self.keep)
+            else:
+                self._logdir = tempfile.mkdtemp(prefix="tfmem-trace-")
+            self._dump_prefix = os.path.join(self._logdir, "bfc_dump")
+            self._previous_dump_env = os.environ.get(DUMP_ENV)
+            os.environ[DUMP_ENV] = self._dump_prefix
+            self._stderr = _StderrCapture()
+            self._stderr.start()
+            try:
+                tensorflow().profiler.experimental.start(self._logdir)
+            except Exception as exc:
+                self._stderr.stop()
+                self._restore_env()
+                raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: {exc}); "
+                                 "is another profiler running?") from None
+        except BaseException:
+            _active.release()
+            raise
+        return self
+
+    def _restore_env(self):
+        if self._previous_dump_env is None:
+            os.environ.pop(DUMP_ENV, None)
+        else:
+            os.environ[DUMP_ENV] = self._previous_dump_env
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            try:
+                tensorflow().profiler.experimental.stop()
+            finally:
+                logged = self._stderr.stop()
+                self._restore_env()
+            files = sorted(glob.glob(os.path.join(self._logdir, "plugins", "profile", "*", "*.xplane.pb")))
+            events: dict[str, AllocatorEvents] = {}
+            for path in files:
+                events.update(read_xspace(Path(path).read_bytes(), source=path))
+            dumps = {}
+            for path in sorted(glob.glob(self._dump_prefix + "_*")):
+                dump = load_memory_dump(path)  # several per OOM, one per retry: the last wins
+                dumps[dump.allocator] = dump
+            text_dump = None
+            if "Next region of size" in logged:
+                try:
+                    text_dump = parse_bfc_dump(logged)
+                except TraceDataError:
+                    text_dump = None  # the binary dump is the exact record; the log is a fallback
+            oom = _oom_info(exc, logged) if exc is not None else None
+            self.result = Trace(events, self._fresh, self._growth, oom, dumps, text_dump,
+                                logdir=self._logdir if self.keep is not None else None)
+        finally:
+            if self.keep is None:
+                shutil.rmtree(self._logdir, ignore_errors=True)
+            _active.release()
+        return False
+
+    # The block's `as` target is this object; its figures live in the Trace.
+    def __getattr__(self, name):
+        result = self.__dict__.get("result")
+        if result is None:
+            raise AttributeError(f"{name}: the trace has no result until its block has ended")
+        return getattr(result, name)
+
+    def __repr__(self) -> str:
+        return repr(self.result) if self.result is not None else "<tfmem trace: running>"
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))

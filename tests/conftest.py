@@ -18,26 +18,30 @@ import pytest
 SESSION_LAB_MB = 256
 
 
-def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
-    """Run `code` in a new Python process; it must print one JSON object as its last line.
-
-    The process starts as a reader's would: without this process's setup variables.
-    """
+def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `code` in a new Python process, as a reader's would start: without this
+    process's setup variables. finish_fresh gives the JSON object it prints last."""
     from tfmem_widgets.runtime import SETUP_ENV_VARS
 
     full_env = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
     full_env.update(env or {})
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
     )
+
+
+def finish_fresh(proc: subprocess.Popen, timeout: float = 240) -> dict:
+    stdout, stderr = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+        raise AssertionError(f"fresh process failed ({proc.returncode}):\n{stdout}\n{stderr[-5000:]}")
+    lines = [line for line in stdout.splitlines() if line.strip()]
     return json.loads(lines[-1])
+
+
+def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
+    """Run `code` in a new Python process; it must print one JSON object as its last line."""
+    return finish_fresh(start_fresh(code, env), timeout)
 
 
 def _gpu_available() -> bool:

@@ -73,7 +73,7 @@ def parse_bfc_dump(text: str) -> AllocatorMap:
             "no allocator dump in this text: expected TensorFlow's lines 'Next region of size N' and "
             "'InUse at ADDR of size N' (they are logged at INFO level: TF_CPP_MIN_LOG_LEVEL=0)."
         )
-    if expected_next != region_end:
+    if expected_next is None or expected_next != region_end:
         raise TraceDataError("allocator dump is missing lines at its end: the last region is not filled by its chunks.")
     name = _NAME.search(text)
     failed = list(_FAILED.finditer(header))

@@ -93,7 +93,7 @@ class Trace:
 
     def __init__(self, events: dict[str, AllocatorEvents], fresh: bool, growth: dict[str, bool],
                  oom: OomInfo | None = None, dumps: dict[str, AllocatorMap] | None = None,
-                 text_dump: AllocatorMap | None = None, logdir: str | None = None):
+                 text_dump: AllocatorMap | None = None, logdir: str | None = None, log: str = ""):
         self._events = events
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
@@ -101,6 +101,7 @@ class Trace:
         self.dumps = dumps or {}
         self.text_dump = text_dump
         self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
+        self.log = log  # what TensorFlow wrote to file descriptor 2 during the block
         self._replays: dict[str, Replay] = {}
 
     # -- which allocator ---------------------------------------------------------------
@@ -412,7 +413,7 @@ class trace:
                     text_dump = None  # the binary dump is the exact record; the log is a fallback
             oom = _oom_info(exc, logged) if exc is not None else None
             self.result = Trace(events, self._fresh, self._growth, oom, dumps, text_dump,
-                                logdir=self._logdir if self.keep is not None else None)
+                                logdir=self._logdir if self.keep is not None else None, log=logged)
         finally:
             if self.keep is None:
                 shutil.rmtree(self._logdir, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""Tracing in this process (lab mode, 256 MB; its runtime already started, so every trace
+here begins after earlier work), the %%tfmem trace magic, faults and exports."""
+
+import os
+
+import matplotlib
+import pytest
+
+import tfmem_widgets
+from tfmem_widgets import Trace, TraceDataError, trace
+from tfmem_widgets.xplane import read_xspace
+
+matplotlib.use("Agg")
+MiB = 1 << 20
+CPU = "bfc_cpu_allocator_for_gpu"
+
+
+def cpu_in_use():
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+
+def test_a_trace_records_each_chunk_with_its_op_and_the_memory_from_before(lab_session):
+    import tensorflow as tf
+
+    with tf.device("CPU:0"):
+        earlier = tf.zeros((1 << 20,))  # 4 MiB from before the trace
+        before = cpu_in_use()
+        with trace() as t:
+            x = tf.fill((1 << 19,), 2.0)  # 2 MiB
+            y = x + 1.0
+            del x
+        after = cpu_in_use()
+    e = t.events(CPU)
+    ops = {e.text(e.op, i) for i in range(len(e))}
+    shapes = {e.text(e.shape, i) for i in range(len(e))}
+    assert {"Fill", "AddV2"} <= ops and "[524288]" in shapes
+    m = t.map()
+    assert not m.complete and m.before_trace_bytes == before
+    assert m.in_use_bytes == after
+    assert m.by_op()["AddV2"] == 2 * MiB
+    assert "traced after earlier work" in repr(t)
+    del y, earlier
+
+
+def test_magic_trace_returns_and_stores_the_trace_and_draws(shell, capsys):
+    t = shell.run_cell_magic(
+        "tfmem", "trace -o -v traced --plot",
+        "import tensorflow as tf\nwith tf.device('CPU:0'):\n    z = tf.ones((1 << 18,)) * 3.0\ndel z",
+    )
+    out = capsys.readouterr().out
+    assert isinstance(t, Trace) and shell.user_ns["traced"] is t
+    assert "tfmem trace bfc_cpu_allocator_for_gpu" in out
+    assert {"Fill", "Mul"} <= set(t.peak_by_op(CPU)) | {t.events(CPU).text(t.events(CPU).op, i) for i in range(len(t.events(CPU)))}
+    import matplotlib.pyplot as plt
+
+    assert len(plt.get_fignums()) >= 2
+    plt.close("all")
+
+
+def test_traces_cannot_nest_and_the_next_one_works(lab_session):
+    import tensorflow as tf
+
+    with trace():
+        with pytest.raises(tfmem_widgets.SetupError, match="already running"):
+            with trace():
+                pass
+    with trace() as again:
+        with tf.device("CPU:0"):
+            w = tf.zeros((1000,))
+    assert len(again.events(CPU)) >= 1
+    del w
+
+
+def test_an_interrupt_stops_the_profiler_restores_fd2_and_keeps_the_capture(lab_session):
+    import tensorflow as tf
+
+    fd2_before = os.fstat(2)
+    block = trace()
+    with pytest.raises(KeyboardInterrupt):
+        with block:
+            with tf.device("CPU:0"):
+                kept = tf.zeros((1 << 18,))
+            raise KeyboardInterrupt
+    fd2_after = os.fstat(2)
+    assert (fd2_before.st_dev, fd2_before.st_ino) == (fd2_after.st_dev, fd2_after.st_ino)
+    assert len(block.events(CPU)) >= 1 and block.oom is None
+    assert not os.path.exists(block._logdir), "the profiler's temporary files are removed"
+    with trace() as next_one:  # the profiler was stopped: a new trace starts
+        pass
+    assert next_one.result is not None
+    del kept
+
+
+def test_keep_leaves_the_profilers_files(lab_session, tmp_path):
+    with trace(keep=tmp_path / "kept") as t:
+        import tensorflow as tf
+
+        with tf.device("CPU:0"):
+            tf.zeros((10,))
+    files = list((tmp_path / "kept").rglob("*.xplane.pb"))
+    assert len(files) == 1 and t.logdir == str(tmp_path / "kept")
+    assert read_xspace(files[0].read_bytes())[CPU].kind.size >= 1
+
+
+def test_a_block_without_allocations_says_so_in_one_line(lab_session):
+    with trace() as t:
+        pass
+    assert t.allocators == [] and "no allocator events" in repr(t)
+    with pytest.raises(TraceDataError) as info:
+        t.map()
+    assert "\n" not in str(info.value) and "lab mode" in str(info.value)
+
+
+def test_corrupt_truncated_and_empty_files_are_refused(lab_session, tmp_path):
+    with trace(keep=tmp_path / "k"):
+        import tensorflow as tf
+
+        with tf.device("CPU:0"):
+            tf.zeros((10,))
+    data = next((tmp_path / "k").rglob("*.xplane.pb")).read_bytes()
+    for bad in (data[: len(data) // 2], b"\xff" * 64, b""):
+        with pytest.raises(TraceDataError) as info:
+            read_xspace(bad)
+        assert "\n" not in str(info.value)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TraceDataError):
+        Trace.load(tmp_path / "bad.json")
+
+
+def test_cuda_malloc_async_without_lab_mode_has_nothing_to_trace(lab_session, monkeypatch):
+    monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC")
+    with pytest.raises(tfmem_widgets.SetupError, match="cuda_malloc_async"):
+        with trace():
+            pass
+    monkeypatch.undo()
+    with trace():  # refused before anything started: the next trace works
+        pass
+
+
+def test_json_and_csv_exports_round_trip(lab_session, tmp_path):
+    import tensorflow as tf
+
+    with trace() as t:
+        with tf.device("CPU:0"):
+            a = [tf.zeros((k * 1000,)) for k in range(1, 30)]
+            del a[::3]
+    t.to_json(tmp_path / "t.json")
+    back = Trace.load(tmp_path / "t.json")
+    n = len(t.events(CPU))
+    for at in (0, n // 2, None, "peak"):
+        assert back.map(at, CPU).chunks == t.map(at, CPU).chunks
+    t.to_csv(tmp_path / "t.csv")
+    rows = (tmp_path / "t.csv").read_text().splitlines()
+    assert len(rows) == 1 + n and rows[0].startswith("allocator,time_ns,event,address")
+    del a
+
+
+def test_the_map_draws_rectangles_or_an_image_past_a_few_thousand_chunks(lab_session):
+    import tensorflow as tf
+    from matplotlib.collections import PolyCollection
+    from matplotlib.image import AxesImage
+
+    with trace() as small:
+        with tf.device("CPU:0"):
+            s = [tf.zeros((1000,)) for _ in range(50)]
+    ax = small.plot_map(CPU)
+    polys = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert polys and len(polys[0].get_paths()) >= 50
+    with trace() as big:
+        with tf.device("CPU:0"):
+            for _ in range(2500):
+                tf.zeros((100,)) + 1.0
+    ax = big.plot_map(CPU)
+    assert any(isinstance(a, AxesImage) for a in ax.get_images())
+    assert big.plot_timeline(CPU) is not None and big.plot_snapshot(allocator=CPU) is not None
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    del s
+
+
+def test_map_at_a_moment_outside_the_trace_is_refused(lab_session):
+    import tensorflow as tf
+
+    with trace() as t:
+        with tf.device("CPU:0"):
+            tf.zeros((10,))
+    with pytest.raises(tfmem_widgets.SetupError, match="outside this trace"):
+        t.map(at=10_000, allocator=CPU)
+    with pytest.raises(tfmem_widgets.SetupError, match="no events of allocator"):
+        t.map(allocator="GPU_7_bfc")
+
+
+def test_an_oom_in_a_traced_cell_is_reported_with_the_map_and_the_shell_goes_on(shell, capsys):
+    # 300 MB in a 256 MB lab: TensorFlow retries for 10 s, then raises.
+    t = shell.run_cell_magic(
+        "tfmem", "trace -o",
+        "import tensorflow as tf\nwith tf.device('CPU:0'):\n    too_big = tf.zeros((75 << 20,))",
+    )
+    out = capsys.readouterr().out
+    assert t.oom is not None and t.oom.allocator == CPU and t.oom.request_bytes == 300 * MiB
+    assert "OOM in bfc_cpu_allocator_for_gpu" in out and "failed request: 300.00 MiB" in out
+    assert t.map().source == "dump"
+    assert shell.run_cell("2 + 2").result == 4

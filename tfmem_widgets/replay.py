@@ -59,6 +59,7 @@ class Replay:
         self.pool_bytes = 0
         self._next_region = _rounded(min(self.limit, _INITIAL_GROWTH_REGION)) if growth else self.limit
         self.inconsistencies: list[str] = []
+        self._lists = None
 
     # -- free-chunk bookkeeping ----------------------------------------------------------
     def _add_free(self, start: int, size: int) -> None:
@@ -147,13 +148,20 @@ class Replay:
             start = left
         self._add_free(start, total)
 
+    def _columns(self):
+        # Python lists: reading a numpy scalar per field would cost more than the step itself.
+        if self._lists is None:
+            e = self.events
+            self._lists = (e.kind.tolist(), e.address.tolist(), e.size.tolist(), e.requested.tolist())
+        return self._lists
+
     def step(self) -> None:
         i = self.position + 1
-        e = self.events
-        if e.kind[i] == ALLOC:
-            self._allocate(i, int(e.address[i]), int(e.size[i]), int(e.requested[i]))
+        kind, address, size, requested = self._columns()
+        if kind[i] == ALLOC:
+            self._allocate(i, address[i], size[i], requested[i])
         else:
-            self._deallocate(i, int(e.address[i]), int(e.size[i]))
+            self._deallocate(i, address[i], size[i])
         self.position = i
 
     def run_to(self, index: int) -> "Replay":
@@ -196,8 +204,10 @@ class Replay:
 def fragmentation_series(events: AllocatorEvents, growth: bool = True) -> np.ndarray:
     """The rebuilt fragmentation after every event of a trace from the first allocation."""
     replay = Replay(events, fresh=True, growth=growth)
+    in_use = events.in_use.tolist()
     out = np.empty(len(events))
     for i in range(len(events)):
         replay.step()
-        out[i] = replay.fragmentation()
+        free = replay.pool_bytes - in_use[i]
+        out[i] = (free - replay.largest_free()) / free if free > 0 else float("nan")
     return out

@@ -28,7 +28,12 @@ _INT_STATS = (
     "bytes_available",
 )
 _TEXT_STATS = ("tf_op", "shape", "region_type")
-_WANTED = set(_INT_STATS) | set(_TEXT_STATS) | {"allocator_name", "fragmentation", "data_type"}
+# Where each stat goes in a row: integers, then fragmentation, then interned texts.
+_SLOTS = {name: k for k, name in enumerate(_INT_STATS + ("data_type",))}
+_FIRST_TEXT_SLOT = len(_SLOTS)
+_FRAGMENTATION_SLOT = _SLOTS["fragmentation"] = _FIRST_TEXT_SLOT
+_SLOTS.update({name: _FIRST_TEXT_SLOT + 1 + k for k, name in enumerate(_TEXT_STATS)})
+_ALLOCATOR_SLOT = _SLOTS["allocator_name"] = _FIRST_TEXT_SLOT + 1 + len(_TEXT_STATS)
 _COLUMN_TYPES = {
     "time_ns": "q", "kind": "b", "address": "Q", "size": "q", "requested": "q", "in_use": "q",
     "peak": "q", "available": "q", "fragmentation": "d", "op": "i", "shape": "i", "region": "i",
@@ -130,7 +135,20 @@ def _order_ties(time_ns: np.ndarray, kind: np.ndarray, size: np.ndarray, in_use:
 
 
 def read_xspace(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEvents]:
-    """All allocator events in an XSpace, by allocator name (e.g. 'GPU_0_bfc')."""
+    """All allocator events in an XSpace, by allocator name (e.g. 'GPU_0_bfc').
+
+    Decodes the memory events in bulk with numpy (see xplane_wire); a million events take
+    seconds, not minutes.
+    """
+    from .xplane_wire import read_memory_columns
+
+    columns_by_allocator, texts = read_memory_columns(data, source)
+    return _finish(columns_by_allocator, texts)
+
+
+def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEvents]:
+    """The same as read_xspace, decoded stat by stat through TensorFlow's own message
+    classes: slow, plain, and the reference the fast reader is tested against."""
     from google.protobuf.message import DecodeError
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
@@ -158,25 +176,35 @@ def read_xspace(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEv
         if not kinds:
             continue
         stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
-        stat_ids = {mid: name for mid, name in stat_names.items() if name in _WANTED}
+        # Each stat read by the one field that holds it (no WhichOneof / getattr per stat:
+        # this loop runs for every event, a million of them in a long trace).
+        slots = {mid: _SLOTS[name] for mid, name in stat_names.items() if name in _SLOTS}
+        ref_text: dict[int, int] = {}  # stat metadata id -> index in texts, filled as met
         for line in plane.lines:
             base_ps = line.timestamp_ns * 1000
             for event in line.events:
                 kind = kinds.get(event.metadata_id)
                 if kind is None:
                     continue
-                values = {}
+                row = [0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, None]
                 for stat in event.stats:
-                    name = stat_ids.get(stat.metadata_id)
-                    if name is None:
+                    slot = slots.get(stat.metadata_id)
+                    if slot is None:
                         continue
-                    which = stat.WhichOneof("value")
-                    if which == "ref_value":
-                        values[name] = stat_names.get(stat.ref_value, "")
-                    elif which is not None:
-                        values[name] = getattr(stat, which)
-                allocator = values.get("allocator_name")
-                if allocator is None or "addr" not in values:
+                    if slot < _FIRST_TEXT_SLOT:
+                        row[slot] = stat.int64_value or stat.uint64_value
+                    elif slot == _FRAGMENTATION_SLOT:
+                        row[slot] = stat.double_value or float(stat.int64_value)
+                    elif stat.WhichOneof("value") == "str_value":
+                        row[slot] = intern(stat.str_value)
+                    else:
+                        ref = stat.ref_value
+                        text = ref_text.get(ref)
+                        if text is None:
+                            text = ref_text[ref] = intern(stat_names.get(ref, ""))
+                        row[slot] = text
+                allocator = row[_ALLOCATOR_SLOT]
+                if allocator is None:
                     continue
                 columns = columns_by_allocator.get(allocator)
                 if columns is None:
@@ -185,21 +213,29 @@ def read_xspace(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEv
                     }
                 columns["time_ns"].append((base_ps + event.offset_ps) // 1000)
                 columns["kind"].append(kind)
-                columns["address"].append(values["addr"] & 0xFFFFFFFFFFFFFFFF)  # stored as int64
-                columns["size"].append(values.get("allocation_bytes", 0))
-                columns["requested"].append(values.get("requested_bytes", 0))
-                columns["in_use"].append(values.get("bytes_allocated", 0))
-                columns["peak"].append(values.get("peak_bytes_in_use", 0))
-                columns["available"].append(values.get("bytes_available", 0))
-                columns["fragmentation"].append(float(values.get("fragmentation", 0.0)))
-                columns["op"].append(intern(values.get("tf_op", "")))
-                columns["shape"].append(intern(values.get("shape", "")))
-                columns["region"].append(intern(values.get("region_type", "")))
-                columns["data_type"].append(int(values.get("data_type", 0)))
+                columns["address"].append(row[0] & 0xFFFFFFFFFFFFFFFF)  # stored as int64
+                columns["size"].append(row[1])
+                columns["requested"].append(row[2])
+                columns["in_use"].append(row[3])
+                columns["peak"].append(row[4])
+                columns["available"].append(row[5])
+                columns["data_type"].append(row[6])
+                columns["fragmentation"].append(row[7])
+                columns["op"].append(row[8])
+                columns["shape"].append(row[9])
+                columns["region"].append(row[10])
+    return _finish(
+        {texts[k]: {name: np.frombuffer(col, dtype=_NUMPY_TYPES[name]).copy() for name, col in cols.items()}
+         for k, cols in columns_by_allocator.items()},
+        texts,
+    )
+
+
+def _finish(columns_by_allocator: dict[str, dict[str, np.ndarray]], texts: list[str]) -> dict[str, AllocatorEvents]:
+    """Columns per allocator -> AllocatorEvents in time order."""
     result = {}
-    for allocator, columns in sorted(columns_by_allocator.items()):
-        arrays = {name: np.frombuffer(columns[name], dtype=_NUMPY_TYPES[name]).copy() for name in columns}
-        del columns
+    for allocator in sorted(columns_by_allocator):
+        arrays = columns_by_allocator[allocator]
         order = _order_ties(arrays["time_ns"], arrays["kind"], arrays["size"], arrays["in_use"])
         arrays = {name: values[order] for name, values in arrays.items()}
         result[allocator] = AllocatorEvents(allocator=allocator, texts=texts, **arrays)

@@ -1,0 +1,101 @@
+"""The bulk wire decoder against the plain one, on real traces and on every layout the
+protobuf format allows for an event (built with TensorFlow's own message classes)."""
+
+import numpy as np
+import pytest
+
+from tfmem_widgets.xplane import read_xspace, read_xspace_reference
+
+COLUMNS = ("time_ns", "kind", "address", "size", "requested", "in_use", "peak", "available",
+           "fragmentation", "data_type")
+
+
+def assert_same(fast, reference):
+    assert fast.keys() == reference.keys()
+    for name in fast:
+        a, b = fast[name], reference[name]
+        for column in COLUMNS:
+            assert np.array_equal(getattr(a, column), getattr(b, column)), (name, column)
+        for column in ("op", "shape", "region"):
+            assert [a.texts[i] for i in getattr(a, column)] == [b.texts[i] for i in getattr(b, column)]
+
+
+def test_real_trace_decodes_the_same_both_ways(lab_session, tmp_path):
+    import tensorflow as tf
+
+    from tfmem_widgets import trace as run_trace
+
+    with run_trace(keep=tmp_path / "k"):
+        with tf.device("CPU:0"):
+            xs = [tf.fill((k * 997,), 1.5) + 2.0 for k in range(1, 200)]
+            del xs[::2]
+    data = next((tmp_path / "k").rglob("*.xplane.pb")).read_bytes()
+    fast = read_xspace(data)
+    assert len(fast["bfc_cpu_allocator_for_gpu"]) >= 400
+    assert_same(fast, read_xspace_reference(data))
+    del xs
+
+
+def _space(layouts):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    # Metadata ids past 127 take two varint bytes; id 0 is left out of the wire entirely.
+    ids = {"MemoryAllocation": 300, "MemoryDeallocation": 5, "Other": 7}
+    for name, mid in ids.items():
+        plane.event_metadata[mid].id = mid
+        plane.event_metadata[mid].name = name
+    stat_ids = {"allocator_name": 0, "addr": 200, "allocation_bytes": 3, "requested_bytes": 4,
+                "bytes_allocated": 130, "peak_bytes_in_use": 6, "bytes_available": 7, "fragmentation": 8,
+                "tf_op": 9, "shape": 10, "region_type": 11, "data_type": 12, "bfc": 13, "Fill": 14}
+    for name, mid in stat_ids.items():
+        plane.stat_metadata[mid].id = mid
+        plane.stat_metadata[mid].name = name
+    line = plane.lines.add(timestamp_ns=1_000)
+    in_use = 0
+    for k, layout in enumerate(layouts):
+        kind = "MemoryAllocation" if k % 2 == 0 else "MemoryDeallocation"
+        in_use += 512 if kind == "MemoryAllocation" else -512
+        event = line.events.add(metadata_id=ids[kind])
+        if layout == "occurrences":
+            event.num_occurrences = 3
+        else:
+            event.offset_ps = 1_000 * (k + 1)
+        if layout == "duration":
+            event.duration_ps = 77
+        line.events.add(metadata_id=ids["Other"], offset_ps=5)  # not a memory event
+        def stat(name):
+            s = event.stats.add()
+            s.metadata_id = stat_ids[name]
+            return s
+        stat("allocator_name").ref_value = stat_ids["bfc"]
+        stat("addr").uint64_value = (1 << 63) + 4096 * k if layout == "uint64" else 4096 * (k // 2)
+        stat("allocation_bytes").int64_value = 512
+        stat("requested_bytes").int64_value = 500
+        stat("bytes_allocated").int64_value = in_use
+        stat("peak_bytes_in_use").int64_value = 512
+        stat("bytes_available").int64_value = (1 << 20) - in_use
+        if layout == "int_fragmentation":
+            stat("fragmentation").int64_value = 0
+        else:
+            stat("fragmentation").double_value = 0.125 * k
+        stat("tf_op").ref_value = stat_ids["Fill"]
+        if layout == "long_string":
+            stat("shape").str_value = "[" + ",".join(["7"] * 60) + "]"  # over 127 bytes
+        else:
+            stat("shape").str_value = f"[{k}]"
+        stat("data_type").int64_value = 1
+    return space.SerializeToString()
+
+
+@pytest.mark.parametrize("layouts", [
+    ["plain"] * 6,
+    ["occurrences", "plain", "duration", "plain"],
+    ["uint64", "plain", "int_fragmentation", "plain", "long_string", "plain"],
+])
+def test_every_event_layout_decodes_the_same_both_ways(layouts):
+    data = _space(layouts)
+    fast = read_xspace(data)
+    assert fast["bfc"].kind.tolist() == [1, -1] * (len(layouts) // 2)
+    assert_same(fast, read_xspace_reference(data))

@@ -4,6 +4,7 @@
     python3 dev.py lab     # JupyterLab on notebooks/ (lab mode where there is no GPU)
     python3 dev.py test    # pytest: unit, magic, fresh-process and notebook (nbval) tests
     python3 dev.py record  # re-run the notebooks in place, storing their outputs for nbval
+    python3 dev.py bench   # the figures README quotes (benchmarks/*.py)
 
 Needs only Python 3.10+. Extra arguments go to jupyter lab / pytest. On a machine where
 `nvidia-smi` answers, TensorFlow's CUDA libraries are installed too (extra 'gpu').
@@ -69,7 +70,7 @@ def record_notebooks(paths: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("lab", "test", "record"):
+    if not argv or argv[0] not in ("lab", "test", "record", "bench"):
         print(__doc__.strip())
         return 2
     command, rest = argv[0], argv[1:]
@@ -81,6 +82,14 @@ def main(argv: list[str]) -> int:
             [str(PYTHON), "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks"), *as_root, *rest],
             cwd=ROOT,
         ).returncode
+    if command == "bench":
+        ensure_environment(["bench"])
+        for script in sorted((ROOT / "benchmarks").glob("*.py")):
+            print(f"== {script.name}", flush=True)
+            code = subprocess.run([str(PYTHON), str(script), *rest], cwd=ROOT).returncode
+            if code:
+                return code
+        return 0
     ensure_environment(["test"])
     if command == "record":
         return record_notebooks(rest)

@@ -38,7 +38,7 @@ from .runtime import (
     tensorflow,
 )
 from .units import format_bytes
-from .xplane import AllocatorEvents, TraceDataError, read_xspace
+from .xplane import AllocatorEvents, TraceDataError, read_xplane_file
 
 DUMP_ENV = "TF_BFC_MEMORY_DUMP"
 _DTYPE_BYTES = {
@@ -400,7 +400,7 @@ class trace:
             files = sorted(glob.glob(os.path.join(self._logdir, "plugins", "profile", "*", "*.xplane.pb")))
             events: dict[str, AllocatorEvents] = {}
             for path in files:
-                events.update(read_xspace(Path(path).read_bytes(), source=path))
+                events.update(read_xplane_file(path))
             dumps = {}
             for path in sorted(glob.glob(self._dump_prefix + "_*")):
                 dump = load_memory_dump(path)  # several per OOM, one per retry: the last wins

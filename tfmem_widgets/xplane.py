@@ -146,6 +146,14 @@ def read_xspace(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEv
     return _finish(columns_by_allocator, texts)
 
 
+def read_xplane_file(path) -> dict[str, AllocatorEvents]:
+    """read_xspace for a file, holding its bytes only while protobuf parses them."""
+    from .xplane_wire import read_memory_columns
+
+    columns_by_allocator, texts = read_memory_columns(None, str(path))
+    return _finish(columns_by_allocator, texts)
+
+
 def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEvents]:
     """The same as read_xspace, decoded stat by stat through TensorFlow's own message
     classes: slow, plain, and the reference the fast reader is tested against."""

@@ -23,7 +23,9 @@ from .xplane import (
     TraceDataError,
 )
 
-_CHUNK_EVENTS = 1 << 20  # events decoded per batch: bounds the extra memory
+_CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
+_PADDING = b"\0" * 16
+_GROUP_EVENTS = 1 << 10  # memory events decoded together
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 # XEvent fields and XStat fields (tsl/profiler/protobuf/xplane.proto).
 _EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_STATS = 1, 2, 4
@@ -167,36 +169,38 @@ def _event_fields(buf, start, end):
 
 
 def _stat_fields(buf, start, end):
-    """(metadata id, value field number, raw value, text position, text length) of each
+    """(metadata id, value field number, raw value, {stat: (text position, length)}) of each
     stat. A stat is its metadata id then one value; others go through the generic walk."""
     n = len(start)
     stat_id = np.zeros(n, dtype=np.uint64)
-    stat_field = np.zeros(n, dtype=np.int64)
+    stat_field = np.zeros(n, dtype=np.int8)
     stat_value = np.zeros(n, dtype=np.uint64)
-    text_pos = np.zeros(n, dtype=np.int64)
-    text_len = np.zeros(n, dtype=np.int64)
+    texts: dict[int, tuple[int, int]] = {}
     plain = buf[start] == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)
     rows = np.nonzero(plain)[0]
     ids, id_len = _varints(buf, start[rows] + 1)
     stat_id[rows] = ids
+    del ids
     p = start[rows] + 1 + id_len
+    del id_len
     tag = buf[p]
-    field, wire = (tag >> 3).astype(np.int64), (tag & 7).astype(np.int64)
-    stat_field[rows] = field
+    wire = tag & 7
+    stat_field[rows] = tag >> 3
     value_end = np.full(len(rows), -1, dtype=np.int64)
     is_int = wire == _WIRE_VARINT
     values, length = _varints(buf, p[is_int] + 1)
     stat_value[rows[is_int]] = values
     value_end[is_int] = p[is_int] + 1 + length
+    del values, length, is_int
     is_double = wire == _WIRE_FIXED64
-    raw = buf[p[is_double][:, None] + 1 + np.arange(8)]
-    stat_value[rows[is_double]] = raw.copy().view(np.uint64)[:, 0] if len(raw) else raw.view(np.uint64)
+    if is_double.any():
+        stat_value[rows[is_double]] = buf[p[is_double][:, None] + 1 + np.arange(8)].copy().view(np.uint64)[:, 0]
     value_end[is_double] = p[is_double] + 9
-    is_text = wire == _WIRE_LEN
+    is_text = np.nonzero(wire == _WIRE_LEN)[0]
     size, size_len = _varints(buf, p[is_text] + 1)
-    text_pos[rows[is_text]] = p[is_text] + 1 + size_len
-    text_len[rows[is_text]] = size.astype(np.int64)
-    value_end[is_text] = text_pos[rows[is_text]] + text_len[rows[is_text]]
+    text_start = p[is_text] + 1 + size_len
+    value_end[is_text] = text_start + size.astype(np.int64)
+    texts.update(zip(rows[is_text].tolist(), zip(text_start.tolist(), size.tolist())))
     plain[rows[(tag >= 0x80) | (value_end != end[rows])]] = False
     redo = np.nonzero(~plain)[0]
     if len(redo):
@@ -212,21 +216,27 @@ def _stat_fields(buf, start, end):
             if is_double.any():
                 stat_value[k[is_double]] = buf[pos[is_double][:, None] + np.arange(8)].copy().view(np.uint64)[:, 0]
             is_text = other & (wire2 == _WIRE_LEN)
-            text_pos[k[is_text]] = pos[is_text]
-            text_len[k[is_text]] = size2[is_text]
-    return stat_id, stat_field, stat_value, text_pos, text_len
+            texts.update(zip(k[is_text].tolist(), zip(pos[is_text].tolist(), size2[is_text].tolist())))
+    return stat_id, stat_field, stat_value, texts
 
 
-def read_memory_columns(data: bytes, source: str):
+def read_memory_columns(data: bytes | None, source: str):
     """Columns of every memory event, per allocator (keyed by the allocator's name), and the
-    interned texts their op/shape/region columns index."""
+    interned texts their op/shape/region columns index. data=None reads the file `source`
+    (and lets its bytes go as soon as protobuf has parsed them)."""
     from google.protobuf.message import DecodeError
 
     space = _lean_xspace_class()()
     try:
-        space.ParseFromString(data)
+        if data is None:
+            with open(source, "rb") as f:
+                space.ParseFromString(f.read())
+        else:
+            space.ParseFromString(data)
     except DecodeError as exc:
         raise TraceDataError(f"{source} is not a readable profiler trace (truncated or corrupt: {exc}).") from None
+    except OSError as exc:
+        raise TraceDataError(f"cannot read {source}: {exc.strerror}.") from None
     if not space.planes:
         raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
     texts = [""]
@@ -263,7 +273,7 @@ def read_memory_columns(data: bytes, source: str):
 def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts) -> None:
     lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
     # Padding past the end lets a damaged varint be read without an index error.
-    buf = np.frombuffer(b"".join(batch) + b"\0" * 16, dtype=np.uint8)
+    buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
     ends = np.cumsum(lengths)
     starts = ends - lengths
     # Memory events first: an event's metadata id is its first field when it is set.
@@ -275,16 +285,26 @@ def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts) -> None
     if not len(chosen):
         return
     kind_of_id = np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8)
-    kind = kind_of_id[np.searchsorted(memory_ids, ids[chosen])]
-    offset_ps, owner, s_start, s_end = _event_fields(buf, starts[chosen], ends[chosen])
-    stat_id, stat_field, stat_value, stat_text_pos, stat_text_len = _stat_fields(buf, s_start, s_end)
+    # A dozen arrays per stat live while a group is decoded: small groups keep that memory
+    # small next to the trace itself.
+    for first in range(0, len(chosen), _GROUP_EVENTS):
+        group = chosen[first:first + _GROUP_EVENTS]
+        kind = kind_of_id[np.searchsorted(memory_ids, ids[group])]
+        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts)
+
+
+def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts) -> None:
+    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends)
+    stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
+    del s_start, s_end
 
     # Stat metadata id -> slot in a row (see xplane._SLOTS); unknown stats are skipped.
     slot_of = {mid: _SLOTS[name] for mid, name in stat_names.items() if name in _SLOTS}
     unique_ids, inverse = np.unique(stat_id, return_inverse=True)
-    slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int64)[inverse]
+    slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
+    del stat_id, inverse
 
-    n = len(chosen)
+    n = len(starts)
     row_int = np.zeros((_FIRST_TEXT_SLOT, n), dtype=np.int64)
     fragmentation = np.zeros(n, dtype=np.float64)
     row_text = np.zeros((_ALLOCATOR_SLOT - _FIRST_TEXT_SLOT, n), dtype=np.int64)
@@ -306,8 +326,8 @@ def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts) -> None
     ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
     strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
     string_text = np.array(
-        [intern(bytes(buf[stat_text_pos[k]:stat_text_pos[k] + stat_text_len[k]]).decode(errors="replace"))
-         for k in strings],
+        [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
+         for k in strings.tolist()],
         dtype=np.int64,
     )
     for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):

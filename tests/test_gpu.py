@@ -220,3 +220,48 @@ def test_cuda_malloc_async_counts_unrounded_bytes():
     print(out["text"])
     assert 'TF_GPU_ALLOCATOR"] = "cuda_malloc_async"' in out["code"]
     assert 100 * MiB <= out["peak"] < 100 * MiB + 64 * 1024
+
+
+def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
+    # Two 64 MB logical GPUs with growth forced: the fragmentation pattern on GPU:0 ends in a
+    # real OOM of GPU_0_bfc; GPU:1 only allocates. GPU garbage collection is switched off so
+    # that no wholly free region is handed back between the last event and the dump.
+    out = fresh(
+        f"""
+        import numpy as np, matplotlib
+        matplotlib.use("Agg")
+        tfmem_widgets.setup(split=[64, 64], force_growth=True)
+        import tensorflow as tf
+        try:
+            with tfmem_widgets.trace() as t:
+                with tf.device("GPU:1"):
+                    other = [tf.zeros((1 << 18,)) for _ in range(3)]
+                with tf.device("GPU:0"):
+                    ts = [tf.zeros((1 << 19,)) for _ in range(24)]
+                    ts = ts[1::2]
+                    tf.zeros((4 << 20,))
+            raised = False
+        except tf.errors.ResourceExhaustedError:
+            raised = True
+        e = t.events("GPU_0_bfc")
+        rebuilt = t.result._replay("GPU_0_bfc", len(e) - 1).snapshot()
+        dump = t.dumps["GPU_0_bfc"]
+        series = t.fragmentation_series("GPU_0_bfc")
+        t.plot_map("GPU_0_bfc").figure.savefig({str(tmp_path / 'map.png')!r})
+        t.plot_snapshot(allocator="GPU_0_bfc").figure.savefig({str(tmp_path / 'snapshot.png')!r})
+        chunks = lambda m: [(c.address, c.size, c.in_use) for c in m.chunks]
+        print(json.dumps({{
+            "raised": raised, "allocators": t.allocators, "oom": t.oom.allocator if t.oom else None,
+            "equal": chunks(rebuilt) == chunks(dump), "chunks": len(dump.chunks),
+            "frag_diff": float(np.nanmax(np.abs(series - e.fragmentation))),
+            "gpu1_events": len(t.events("GPU_1_bfc")), "gpu1_complete": t.map(allocator="GPU_1_bfc").complete,
+            "text": repr(t)}}))
+        """,
+        env={"TF_ENABLE_GPU_GARBAGE_COLLECTION": "false"},
+    )
+    print(out["text"])
+    assert out["raised"] and out["oom"] == "GPU_0_bfc"
+    assert {"GPU_0_bfc", "GPU_1_bfc"} <= set(out["allocators"])
+    assert out["equal"] and out["chunks"] > 10 and out["frag_diff"] <= 1e-6
+    assert out["gpu1_events"] >= 3 and out["gpu1_complete"]
+    assert (tmp_path / "map.png").stat().st_size > 0 and (tmp_path / "snapshot.png").stat().st_size > 0

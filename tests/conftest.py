@@ -17,6 +17,17 @@ import pytest
 
 SESSION_LAB_MB = 256
 
+# For fresh-process scripts: a real IPython shell with the extension, and the cell of the
+# foundation's done-when (an 8 MiB tensor kept, a 16 MiB one made and dropped while it exists).
+FRESH_SHELL = """
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic("load_ext", "tfmem_widgets")
+KEEP_8_DROP_16 = "\\n".join(["import tensorflow as tf",
+                             "x = tf.zeros((2 << 20,))           # kept: 8 MiB",
+                             "y = tf.zeros((4 << 20,)); del y    # 16 MiB while x exists"])
+"""
+
 
 def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a new Python process, as a reader's would start: without this

@@ -1,8 +1,8 @@
 """What can only be seen in a fresh process: the runtime's start and lab mode's effect."""
 
-import pytest
+import textwrap
 
-from conftest import run_fresh
+from conftest import FRESH_SHELL, run_fresh
 
 
 def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
@@ -32,17 +32,11 @@ def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
 
 
 def test_done_when_scenario_in_a_fresh_shell():
-    out = run_fresh(
+    out = run_fresh(FRESH_SHELL + textwrap.dedent(
         """
         import json
-        from IPython.testing.globalipapp import start_ipython
-        ip = start_ipython()
-        ip.run_line_magic("load_ext", "tfmem_widgets")
         ip.run_line_magic("tfmem", "setup --lab 64")
-        cell = "\\n".join(["import tensorflow as tf",
-                           "x = tf.zeros((2 << 20,))           # kept: 8 MiB",
-                           "y = tf.zeros((4 << 20,)); del y    # 16 MiB while x exists"])
-        m = ip.run_cell_magic("tfmem", "-o -q", cell)   # no GPU here: the CPU in lab mode
+        m = ip.run_cell_magic("tfmem", "-o -q", KEEP_8_DROP_16)   # no GPU here: the CPU in lab mode
         from IPython.core.error import UsageError
         try:
             ip.run_line_magic("tfmem", "setup --lab 128")
@@ -51,7 +45,7 @@ def test_done_when_scenario_in_a_fresh_shell():
             refusal = str(exc)
         print(json.dumps({"peak": m.peak_bytes, "delta": m.delta_bytes, "refusal": refusal}))
         """
-    )
+    ))
     MiB = 1 << 20
     assert abs(out["peak"] - 24 * MiB) <= 4096 and abs(out["delta"] - 8 * MiB) <= 4096
     assert "already started" in out["refusal"] and "restart the kernel" in out["refusal"]

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_fresh
+from conftest import FRESH_SHELL, run_fresh
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -189,17 +189,12 @@ def test_growth_set_earlier_then_a_limit_is_refused_before_tensorflow_drops_it()
 def test_measure_and_magics_on_the_gpu():
     out = fresh(
         """
-        from IPython.testing.globalipapp import start_ipython
-        ip = start_ipython()
-        ip.run_line_magic("load_ext", "tfmem_widgets")
         ip.run_line_magic("tfmem", "setup --growth")
-        cell = "\\n".join(["import tensorflow as tf",
-                           "x = tf.zeros((2 << 20,))",
-                           "y = tf.zeros((4 << 20,)); del y"])
-        m = ip.run_cell_magic("tfmem", "-o -q", cell)
+        m = ip.run_cell_magic("tfmem", "-o -q", KEEP_8_DROP_16)
         r = ip.run_line_magic("tfmem", "")
         print(json.dumps({"device": m.device, "peak": m.peak_bytes, "delta": m.delta_bytes, "text": repr(r)}))
-        """
+        """,
+        first=FRESH_SHELL,
     )
     print(out["text"])
     assert out["device"] == "GPU:0"

@@ -8,6 +8,7 @@ only possible before its runtime starts, so nothing here may start it early.
     %tfmem                        # TensorFlow's figures next to the driver's and the host's
     %%tfmem                       # exact peak and net change of a cell
     %%tfmem trace                 # every allocation of a cell, its memory map, the OOM dump
+    %tfmem watch / %tfmem panel   # a live gauge; the setup panel
 """
 
 from .allocator_map import AllocatorMap, Chunk, Region
@@ -38,7 +39,30 @@ __all__ = [
     "setup",
     "load_ipython_extension",
     "unload_ipython_extension",
+    "Gauge",
+    "MapViewer",
+    "SetupPanel",
 ]
+_WIDGETS = ("Gauge", "MapViewer", "SetupPanel")
+
+
+def __getattr__(name):
+    # The panels need ipywidgets (and so IPython): loaded on first use only.
+    if name in _WIDGETS:
+        from . import widgets
+
+        return getattr(widgets, name)
+    raise AttributeError(f"module 'tfmem_widgets' has no attribute {name!r}")
+
+
+def _after_cell(result=None):
+    """post_run_cell: running gauges read once on the main thread (frontends that do not
+    show updates made while a cell runs still get the figures after it)."""
+    import sys
+
+    gauge = sys.modules.get("tfmem_widgets.widgets.gauge")
+    if gauge is not None:
+        gauge.refresh_all()
 
 
 def load_ipython_extension(ipython):
@@ -46,9 +70,18 @@ def load_ipython_extension(ipython):
     from .magics import TfmemMagics
 
     ipython.register_magics(TfmemMagics)
+    if _after_cell not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", _after_cell)
 
 
 def unload_ipython_extension(ipython):
     """%unload_ext tfmem_widgets: removes what load_ipython_extension added."""
+    import sys
+
     for kind in ("line", "cell"):
         ipython.magics_manager.magics[kind].pop("tfmem", None)
+    if _after_cell in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.unregister("post_run_cell", _after_cell)
+    gauge = sys.modules.get("tfmem_widgets.widgets.gauge")
+    if gauge is not None:
+        gauge.stop_all()

@@ -30,6 +30,19 @@ class Region:
 
 
 BEFORE_TRACE = "(before the trace)"
+_CLUSTER_GAP = 1 << 20
+
+
+def address_clusters(ranges) -> list[Region]:
+    """Where region bounds are unknown: the (address, size) ranges grouped into stretches,
+    a gap of more than 1 MiB starting a new one. Drawn as 'addresses seen', never as regions."""
+    clusters: list[list[int]] = []
+    for low, high in sorted((a, a + s) for a, s in ranges):
+        if clusters and low - clusters[-1][1] <= _CLUSTER_GAP:
+            clusters[-1][1] = max(clusters[-1][1], high)
+        else:
+            clusters.append([low, high])
+    return [Region(low, high - low) for low, high in clusters]
 
 
 @dataclass
@@ -94,6 +107,13 @@ class AllocatorMap:
         if self.before_trace_bytes:
             totals[BEFORE_TRACE] += self.before_trace_bytes
         return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def bands(self) -> tuple[list[Region], bool]:
+        """(rows to draw, exact): the regions, or stretches of the chunks' addresses when the
+        map does not know its regions (a trace that began after earlier work)."""
+        if self.regions:
+            return list(self.regions), True
+        return address_clusters((c.address, c.size) for c in self.chunks), False
 
     def chunk_at(self, address: int) -> Chunk | None:
         for chunk in self.chunks:

@@ -64,6 +64,16 @@ def _split(text: str):
     return count
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0.01 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected between 0.01 and 3600 seconds, got {text!r}")
+    return value
+
+
 def _gpus(text: str):
     if text.strip().lower() == "none":
         return []
@@ -72,8 +82,13 @@ def _gpus(text: str):
 
 def _parsers():
     line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
-    commands = line.add_subparsers(dest="command", metavar="{report,setup}")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel}")
     commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
+    watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
+    watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
+    watch.add_argument("--interval", type=_seconds, default=0.5, metavar="S", help="seconds between readings")
+    watch.add_argument("-d", "--device", default=None, help="only this device (e.g. GPU:0)")
+    commands.add_parser("panel", help="the device setup panel")
     s = commands.add_parser(
         "setup",
         help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
@@ -138,6 +153,12 @@ class TfmemMagics(Magics):
         try:
             if args.command in (None, "report"):
                 return report()
+            if args.command == "watch":
+                return self._watch(args)
+            if args.command == "panel":
+                from .widgets import SetupPanel
+
+                return SetupPanel()
             options = {
                 name: getattr(args, name)
                 for name in ("growth", "force_growth", "limit_mb", "split", "gpus",
@@ -146,6 +167,16 @@ class TfmemMagics(Magics):
             return setup(**options)
         except SetupError as exc:
             raise UsageError(str(exc)) from None
+
+    def _watch(self, args):
+        from .runtime import resolve_device
+        from .widgets.gauge import Gauge, stop_all
+
+        if args.action == "stop":
+            print(f"stopped {stop_all()} gauge(s)")
+            return None
+        device = resolve_device(args.device).name if args.device else None
+        return Gauge(interval=args.interval, device=device)
 
     def _cell(self, line: str, cell: str):
         args = _parse(_CELL_PARSER, line)
@@ -190,6 +221,12 @@ class TfmemMagics(Magics):
             self.shell.user_ns[args.variable] = result
         if not args.quiet:
             print(repr(result))
+            if result.allocators and getattr(self.shell, "kernel", None) is not None:
+                from IPython.display import display
+
+                from .widgets import MapViewer
+
+                display(MapViewer(result))  # in a notebook: the map, its slider, the OOM
             if args.plot and len(result.allocators):
                 import matplotlib.pyplot as plt
 
@@ -204,6 +241,9 @@ def _help() -> str:
         "TensorFlow memory from a notebook.\n\n"
         "%tfmem                  report: TensorFlow's figures per device, the driver's, the host's\n"
         "%tfmem setup [options]  set devices up before TensorFlow's runtime starts\n"
+        "%tfmem watch [--interval S] [-d DEV] | %tfmem watch stop\n"
+        "                        a live gauge that moves while cells run\n"
+        "%tfmem panel            the device setup panel\n"
         "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"

@@ -22,6 +22,7 @@ from .runtime import (
     LAB_USE_BFC_ENV,
     MIN_SYS_MEMORY_ENV,
     PhysicalGpu,
+    lab_limit_bytes,
 )
 from .units import MiB, format_bytes
 
@@ -388,8 +389,8 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
         raise SetupError(_too_late(steps[0], request, state))
 
     lab_mb = request.lab_mb
-    if lab_mb is None and env.get(LAB_USE_BFC_ENV, "").lower() in ("1", "true"):
-        lab_mb = int(env.get(LAB_LIMIT_ENV, "65536") or 65536)
+    if lab_mb is None and lab_limit_bytes(env) is not None:
+        lab_mb = lab_limit_bytes(env) // MiB
     return SetupPlan(request=request, steps=tuple(steps), notes=tuple(notes), lab_mb=lab_mb)
 
 
@@ -399,11 +400,8 @@ def _too_late(step: Step, request: SetupRequest, state: DeviceState) -> str:
     fix = _restart_fix(request)
     env = state.env
     if step.kind == "env" and step.target in (LAB_USE_BFC_ENV, LAB_LIMIT_ENV):
-        now = (
-            f"lab mode with {env.get(LAB_LIMIT_ENV, '65536')} MB"
-            if env.get(LAB_USE_BFC_ENV, "").lower() in ("1", "true")
-            else "TensorFlow's default CPU allocator"
-        )
+        limit = lab_limit_bytes(env)
+        now = f"lab mode with {limit // MiB} MB" if limit is not None else "TensorFlow's default CPU allocator"
         return f"{started}, so lab mode can no longer change (it is {now}, asked {request.lab_mb} MB): {fix}."
     if step.kind == "growth" or step.target == FORCE_GROWTH_ENV:
         return (

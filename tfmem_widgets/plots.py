@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .allocator_map import AllocatorMap
+from .allocator_map import AllocatorMap, address_clusters
 from .replay import Replay
 from .units import format_bytes
 
@@ -51,14 +51,7 @@ def _bands(trace, name: str, spans) -> tuple[list[tuple[int, int]], bool]:
         replay = trace._replay(name, len(e) - 1)
         if replay.regions:
             return [(r.address, r.size, replay.region_created[r.address]) for r in replay.regions], True
-    bounds = sorted((a, a + s) for a, s, *_ in spans)
-    bands: list[list[int]] = []
-    for lo, hi in bounds:
-        if bands and lo - bands[-1][1] <= 1 << 20:
-            bands[-1][1] = max(bands[-1][1], hi)
-        else:
-            bands.append([lo, hi])
-    return [(lo, hi - lo, 0) for lo, hi in bands], False
+    return [(r.address, r.size, 0) for r in address_clusters((a, s) for a, s, *_ in spans)], False
 
 
 def _band_offsets(bands):

@@ -47,15 +47,12 @@ def runtime_started() -> bool:
     return ctx is not None and getattr(ctx, "_context_handle", None) is not None
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true")
-
-
-def lab_limit_bytes() -> int | None:
+def lab_limit_bytes(env=None) -> int | None:
     """The CPU BFC allocator's limit if lab mode is configured, else None."""
-    if not _env_true(LAB_USE_BFC_ENV):
+    env = os.environ if env is None else env
+    if env.get(LAB_USE_BFC_ENV, "").strip().lower() not in ("1", "true"):
         return None
-    raw = os.environ.get(LAB_LIMIT_ENV, "").strip()
+    raw = env.get(LAB_LIMIT_ENV, "").strip()
     try:
         return int(raw) * MiB if raw else LAB_DEFAULT_LIMIT_MB * MiB
     except ValueError:

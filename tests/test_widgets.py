@@ -1,0 +1,149 @@
+"""The panels' state without a browser: traits after real TensorFlow work in lab mode."""
+
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import tfmem_widgets
+from tfmem_widgets.errors import SetupError
+from tfmem_widgets.nvml import GpuMemory
+from tfmem_widgets.plan import DeviceState, SetupRequest, plan_setup
+from tfmem_widgets.runtime import PhysicalGpu
+from tfmem_widgets.sampler import sampler
+from tfmem_widgets.widgets import Gauge, MapViewer, SetupPanel
+
+MiB = 1 << 20
+
+
+def cpu_in_use():
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+
+def sampler_threads():
+    return [t for t in threading.enumerate() if t.name == "tfmem-sampler"]
+
+
+def wait_for(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_gauge_moves_while_the_main_thread_is_busy_and_stops_cleanly(lab_session):
+    import tensorflow as tf
+
+    with tf.device("CPU:0"):
+        tf.zeros((1,))  # the runtime runs (a gauge never starts it itself)
+    gauge = Gauge(interval=0.05, device="CPU:0")
+    row = gauge._rows["CPU:0"]
+    with tf.device("CPU:0"):
+        held = tf.zeros((8 << 20,))  # 32 MiB
+    # The main thread is busy (sleeping, as in a long cell): only the sampler thread updates.
+    before = gauge.samples
+    assert wait_for(lambda: row["in_use"].value == cpu_in_use() and gauge.samples > before + 2)
+    assert row["in_use"].max == 256 * MiB and row["peak"].value >= row["in_use"].value
+    assert "32.00 MiB" in row["text"].value or cpu_in_use() != 32 * MiB
+    assert "CPU:0: in use" in repr(gauge)
+    gauge.close()
+    assert not gauge.running and wait_for(lambda: not sampler_threads())
+    assert sampler.errors == 0
+    del held
+
+
+def test_several_gauges_share_one_sampler_thread(lab_session):
+    gauges = [Gauge(interval=0.05) for _ in range(3)]
+    assert len(sampler_threads()) == 1
+    gauges[0].stop()
+    assert len(sampler_threads()) == 1, "the others still need it"
+    for g in gauges[1:]:
+        g.stop()
+    assert wait_for(lambda: not sampler_threads())
+
+
+def test_after_each_cell_running_gauges_read_again(shell):
+    gauge = shell.run_line_magic("tfmem", "watch --interval 600")  # no background reading soon
+    before = gauge.samples
+    shell.run_cell("import tensorflow as tf\nwith tf.device('CPU:0'):\n    kept_for_gauge = tf.ones((1 << 18,))")
+    assert gauge.samples == before + 1
+    assert gauge._rows["CPU:0"]["in_use"].value == cpu_in_use()
+    shell.run_line_magic("tfmem", "watch stop")
+    assert not gauge.running
+    shell.run_cell("del kept_for_gauge")
+
+
+def test_watch_refuses_bad_input_in_one_line(shell):
+    for line in ("watch --interval 0", "watch --interval soon", "watch -d GPU:9", "watch pause"):
+        with pytest.raises(UsageError) as info:
+            shell.run_line_magic("tfmem", line)
+        assert "\n" not in str(info.value)
+    assert not sampler_threads()
+
+
+def _gpu_state(started=False):
+    gpu = PhysicalGpu(0, "/physical_device:GPU:0", "NVIDIA H200", (9, 0), True, False, None)
+    memory = GpuMemory(0, "NVIDIA H200", "GPU-0", 80 << 30, 1 << 30, 79 << 30, ())
+    return DeviceState((gpu,), {0: memory}, None, 1, 24 << 30, {}, started)
+
+
+def test_the_panel_bounds_the_limit_by_the_card_and_flags_what_the_rules_refuse():
+    panel = SetupPanel(state=_gpu_state())
+    assert panel.limit.max == 80 * 1024 and not panel.limit.disabled and not panel.lab.value
+    panel.growth.value = "growth"
+    panel.use_limit.value = True
+    expected = None
+    try:
+        plan_setup(SetupRequest(growth=True, limit_mb=panel.limit.value), panel.state)
+    except SetupError as exc:
+        expected = str(exc)
+    assert expected and "tfmem-conflict" in panel.message.value
+    assert "silently drop" in panel.message.value and panel.apply_button.disabled
+    panel.growth.value = "as it is"
+    panel.force_growth.value = True
+    assert "tfmem-ok" in panel.message.value and not panel.apply_button.disabled
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" in panel.code.value and "memory_limit=4096" in panel.code.value
+    panel.split.value = "two"
+    assert "expected a count" in panel.message.value and panel.apply_button.disabled
+
+
+def test_after_the_runtime_started_apply_is_off_with_a_restart_snippet():
+    panel = SetupPanel(state=_gpu_state(started=True))
+    panel.growth.value = "growth"
+    assert panel.apply_button.disabled
+    assert "already started" in panel.message.value
+    assert "Restart the kernel" in panel.result.value and "%tfmem setup --growth" in panel.result.value
+
+
+def test_the_panel_here_has_no_gpu_choices_and_shows_the_lab_in_effect(lab_session):
+    panel = SetupPanel()
+    assert panel.gpus.disabled and panel.growth.disabled and panel.lab.value and panel.lab_mb.value == 256
+    assert "Nothing to change" in panel.message.value
+    panel.lab_mb.value = 512
+    assert "already started" in panel.message.value and panel.apply_button.disabled
+
+
+def test_the_map_viewer_moves_through_a_real_trace(lab_session):
+    import tensorflow as tf
+
+    with tfmem_widgets.trace() as t:
+        with tf.device("CPU:0"):
+            parts = [tf.fill((k << 16,), 1.0) for k in range(1, 9)]
+            del parts[::2]
+    viewer = MapViewer(t, "bfc_cpu_allocator_for_gpu")
+    events = t.events("bfc_cpu_allocator_for_gpu")
+    assert viewer.moment.max == len(events) - 1 and viewer.end_button.description == "end"
+    viewer.show_peak()
+    assert viewer.moment.value == t.peak_index("bfc_cpu_allocator_for_gpu")
+    assert viewer.current_map.in_use_bytes == int(events.in_use[viewer.moment.value])
+    assert '<rect class="tfmem-chunk"' in viewer.picture.value and "<title>Fill" in viewer.picture.value
+    viewer.chunks.value = viewer.chunks.options[0][1]
+    assert "<b>Fill</b>" in viewer.details.value
+    viewer.moment.value = 0
+    assert viewer.current_map.event_index == 0
+    del parts

@@ -1,0 +1,184 @@
+"""Memory readings on a timer, for live gauges: one background thread for the whole process.
+
+The thread never starts TensorFlow's runtime (before it has started there is nothing to
+read, and starting it would end the user's chance to set devices up) and reads TensorFlow
+only through ``get_memory_info``, serialized by one lock with every other read of ours.
+Subscribers get each reading; the thread stops when the last one leaves, and at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import nvml
+from .errors import SetupError
+from .measure import process_peak, read_allocator
+from .runtime import lab_limit_bytes, logical_devices, physical_gpus, runtime_started
+
+DEFAULT_INTERVAL = 0.5
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    name: str  # 'CPU:0', 'GPU:1'
+    in_use_bytes: int | None
+    peak_bytes: int | None
+    limit_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int  # TensorFlow's physical GPU index
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Everything a gauge shows, read at one moment."""
+
+    time: float
+    runtime_started: bool
+    devices: tuple[DeviceSample, ...]
+    gpus: tuple[GpuSample, ...]
+    host_rss_bytes: int
+    host_total_bytes: int
+
+
+_read_lock = threading.Lock()
+_static: dict | None = None  # devices and limits, fixed once the runtime has started
+
+
+def _static_parts() -> dict:
+    """Devices, limits and the NVML mapping: read once after the runtime has started."""
+    global _static
+    if _static is not None:
+        return _static
+    from .report import _reading  # the report's own rule for each device's limit
+
+    gpus = physical_gpus()
+    devices = logical_devices(gpus)
+    limits = {d.name: _reading(d, started=True, lab_limit=lab_limit_bytes()).limit_bytes for d in devices}
+    try:
+        readings = nvml.read_gpus()
+    except nvml.NvmlUnavailable:
+        readings = []
+    mapping = {g.index: nvml.nvml_index_for_cuda_ordinal(g.index, readings) for g in gpus if g.visible}
+    parts = {"devices": [d.name for d in devices], "limits": limits,
+             "nvml": {k: v for k, v in mapping.items() if v is not None}}
+    if runtime_started():
+        _static = parts
+    return parts
+
+
+def read_sample(background: bool = False) -> Sample:
+    """One reading of every figure; never starts TensorFlow's runtime.
+
+    background=True (the sampler's thread) reads only what is cheap and safe from a second
+    thread: TensorFlow's device list and limits are first read on the main thread.
+    """
+    import psutil
+
+    with _read_lock:
+        started = runtime_started()
+        devices: list[DeviceSample] = []
+        gpus: list[GpuSample] = []
+        if started and background and _static is None:
+            started = False  # until the main thread has read the devices (next cell's end)
+        if started:
+            parts = _static_parts()
+            for name in parts["devices"]:
+                try:
+                    in_use, peak = read_allocator(name)
+                    peak = process_peak(name, peak)
+                except SetupError:
+                    in_use = peak = None
+                devices.append(DeviceSample(name, in_use, peak, parts["limits"].get(name)))
+            nvml_indices = parts["nvml"]
+        else:
+            nvml_indices = {}
+        for tf_index, nvml_index in nvml_indices.items():
+            try:
+                gpu = nvml.read_gpu(nvml_index)
+            except Exception:  # the driver went away: show the rest
+                continue
+            gpus.append(GpuSample(tf_index, gpu.used_bytes, gpu.total_bytes))
+        memory = psutil.virtual_memory()
+        return Sample(time.time(), started, tuple(devices), tuple(gpus),
+                      psutil.Process(os.getpid()).memory_info().rss, memory.total)
+
+
+class Sampler:
+    """The process's one sampling thread, shared by every subscriber."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._subscribers: dict[int, tuple[Callable[[Sample], None], float]] = {}
+        self._next_token = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.errors = 0  # callbacks that raised (kept out of the user's log)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def subscribe(self, callback: Callable[[Sample], None], interval: float = DEFAULT_INTERVAL) -> int:
+        if not interval > 0:
+            raise SetupError(f"the interval must be a positive number of seconds, got {interval!r}.")
+        with self._lock:
+            token = self._next_token
+            self._next_token += 1
+            self._subscribers[token] = (callback, float(interval))
+            if not self.running:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="tfmem-sampler", daemon=True)
+                self._thread.start()
+        return token
+
+    def unsubscribe(self, token: int) -> None:
+        with self._lock:
+            self._subscribers.pop(token, None)
+            last = not self._subscribers
+            thread = self._thread
+        if last and thread is not None:
+            self.stop()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait for it (every subscriber is dropped)."""
+        with self._lock:
+            self._subscribers.clear()
+            thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _interval(self) -> float:
+        with self._lock:
+            return min((i for _, i in self._subscribers.values()), default=DEFAULT_INTERVAL)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval()):
+            try:
+                sample = read_sample(background=True)
+            except Exception:
+                self.errors += 1
+                continue
+            with self._lock:
+                callbacks = [cb for cb, _ in self._subscribers.values()]
+            for callback in callbacks:
+                if self._stop.is_set():
+                    return
+                try:
+                    callback(sample)
+                except Exception:
+                    self.errors += 1
+
+
+sampler = Sampler()
+atexit.register(sampler.stop)

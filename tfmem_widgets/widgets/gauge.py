@@ -1,0 +1,174 @@
+"""A live memory gauge made of stock ipywidgets: bars, figures and a sparkline.
+
+It only assigns traits; the readings come from the process's one sampler thread (while a
+cell runs) and from a refresh after each cell (for frontends that do not show background
+updates). Its text repr is the same figures as a line per device, for saved notebooks.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+
+import ipywidgets as w
+
+from ..sampler import DEFAULT_INTERVAL, Sample, read_sample, sampler
+from ..units import format_bytes
+
+_HISTORY = 120  # samples kept for the sparkline
+_live: "weakref.WeakSet[Gauge]" = weakref.WeakSet()
+
+
+def _bar(description: str, style: str = "") -> w.FloatProgress:
+    return w.FloatProgress(value=0.0, min=0.0, max=1.0, description=description, bar_style=style,
+                           style={"description_width": "110px"}, layout=w.Layout(width="360px"))
+
+
+def _sparkline(values: list[int], width: int = 240, height: int = 36) -> str:
+    """In-use history as an inline SVG polyline (plain HTML: no custom JavaScript)."""
+    if len(values) < 2:
+        return f'<svg width="{width}" height="{height}"></svg>'
+    top = max(values) or 1
+    step = width / (len(values) - 1)
+    points = " ".join(f"{k * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}" for k, v in enumerate(values))
+    return (f'<svg width="{width}" height="{height}" class="tfmem-sparkline">'
+            f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/></svg>')
+
+
+class Gauge(w.VBox):
+    """Per device: TensorFlow's in use and peak against its limit, the card (NVML), the host.
+
+    >>> tfmem_widgets.Gauge(interval=0.5)      # or %tfmem watch
+    """
+
+    def __init__(self, interval: float = DEFAULT_INTERVAL, device: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.interval = interval
+        self.device = device
+        self.samples = 0
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[str, w.Widget]] = {}
+        self._history: deque[int] = deque(maxlen=_HISTORY)
+        self._title = w.HTML("<b>TensorFlow memory</b>")
+        self._status = w.HTML("")
+        self._host = _bar("host (process)", "info")
+        self._host_text = w.HTML("")
+        self._spark = w.HTML(_sparkline([]))
+        self._last: Sample | None = None
+        self.add_class("tfmem-gauge")
+        self._token = sampler.subscribe(self._on_sample, interval)
+        _live.add(self)
+        self.refresh()
+
+    # -- updates ------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read now, on the calling thread (used after each cell)."""
+        self._on_sample(read_sample())
+
+    def _on_sample(self, sample: Sample) -> None:
+        with self._lock:
+            if self._token is None:
+                return
+            self._last = sample
+            self.samples += 1
+            self._apply(sample)
+
+    def _device_row(self, name: str) -> dict[str, w.Widget]:
+        row = self._rows.get(name)
+        if row is None:
+            row = {
+                "in_use": _bar(f"{name} in use"),
+                "peak": _bar(f"{name} peak", "warning"),
+                "text": w.HTML(""),
+            }
+            self._rows[name] = row
+        return row
+
+    def _apply(self, sample: Sample) -> None:
+        children: list[w.Widget] = [self._title]
+        devices = [d for d in sample.devices if self.device is None or d.name == self.device]
+        if not sample.runtime_started or not devices:
+            self._status.value = (
+                "TensorFlow's runtime has not started: setup is still possible; figures appear after the first op."
+                if not sample.runtime_started else "no TensorFlow device matches"
+            )
+            children.append(self._status)
+        main = None
+        for d in devices:
+            row = self._device_row(d.name)
+            limit = d.limit_bytes or max(d.peak_bytes or 0, 1)
+            row["in_use"].max = row["peak"].max = float(limit)
+            row["in_use"].value = float(min(d.in_use_bytes or 0, limit))
+            row["peak"].value = float(min(d.peak_bytes or 0, limit))
+            row["text"].value = (
+                f"<span class='tfmem-in-use' data-bytes='{d.in_use_bytes}'>{format_bytes(d.in_use_bytes)}</span> in use, "
+                f"peak {format_bytes(d.peak_bytes)}, limit {format_bytes(d.limit_bytes)}"
+            )
+            children += [w.HBox([row["in_use"], row["text"]]), row["peak"]]
+            if main is None:
+                main = d
+        for gpu in sample.gpus:
+            row = self._device_row(f"card {gpu.index}")
+            row["in_use"].description = f"GPU {gpu.index} (NVML)"
+            row["in_use"].max = float(gpu.total_bytes)
+            row["in_use"].value = float(gpu.used_bytes)
+            row["text"].value = f"{format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}"
+            children.append(w.HBox([row["in_use"], row["text"]]))
+        self._host.max = float(sample.host_total_bytes)
+        self._host.value = float(sample.host_rss_bytes)
+        self._host_text.value = f"{format_bytes(sample.host_rss_bytes)} resident"
+        children.append(w.HBox([self._host, self._host_text]))
+        if main is not None and main.in_use_bytes is not None:
+            self._history.append(main.in_use_bytes)
+            self._spark.value = _sparkline(list(self._history))
+            children.append(w.HBox([w.Label(f"{main.name} in use, last {len(self._history)} readings"), self._spark]))
+        if tuple(self.children) != tuple(children):
+            self.children = children
+
+    # -- lifetime -------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._token is not None
+
+    def stop(self) -> None:
+        """Stop updating (the widget stays, showing the last figures)."""
+        with self._lock:
+            token, self._token = self._token, None
+        if token is not None:
+            sampler.unsubscribe(token)
+        _live.discard(self)
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+    def __repr__(self) -> str:
+        sample = self._last
+        if sample is None:
+            return "<tfmem gauge>"
+        lines = [f"tfmem gauge ({'running' if self.running else 'stopped'}, every {self.interval:g} s)"]
+        for d in sample.devices:
+            if self.device is None or d.name == self.device:
+                lines.append(f"  {d.name}: in use {format_bytes(d.in_use_bytes)}, peak {format_bytes(d.peak_bytes)}, "
+                             f"limit {format_bytes(d.limit_bytes)}")
+        for gpu in sample.gpus:
+            lines.append(f"  GPU {gpu.index} (NVML): {format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}")
+        if not sample.runtime_started:
+            lines.append("  TensorFlow's runtime has not started")
+        return "\n".join(lines)
+
+
+def refresh_all() -> None:
+    """After each cell: every running gauge reads once on the main thread."""
+    for gauge in list(_live):
+        if gauge.running:
+            gauge.refresh()
+
+
+def stop_all() -> int:
+    """Stop every gauge; returns how many were running."""
+    gauges = [g for g in list(_live) if g.running]
+    for gauge in gauges:
+        gauge.stop()
+    return len(gauges)

@@ -54,16 +54,30 @@ _read_lock = threading.Lock()
 _static: dict | None = None  # devices and limits, fixed once the runtime has started
 
 
-def _static_parts() -> dict:
-    """Devices, limits and the NVML mapping: read once after the runtime has started."""
+def _static_parts(background: bool) -> dict:
+    """Devices, limits and the NVML mapping, cached once the runtime has started.
+
+    TensorFlow's default GPU limit comes from device_lib, which creates device objects: that
+    is left to the main thread (a gauge refreshes there after each cell); from the sampler
+    thread the other figures are read and that limit waits.
+    """
     global _static
     if _static is not None:
         return _static
-    from .report import _reading  # the report's own rule for each device's limit
+    from .report import _tensorflow_default_limits
+    from .units import MiB
 
     gpus = physical_gpus()
     devices = logical_devices(gpus)
-    limits = {d.name: _reading(d, started=True, lab_limit=lab_limit_bytes()).limit_bytes for d in devices}
+    lab = lab_limit_bytes()
+    limits: dict[str, int | None] = {}
+    for d in devices:
+        if d.device_type == "CPU":
+            limits[d.name] = lab
+        elif d.limit_mb is not None:
+            limits[d.name] = d.limit_mb * MiB
+        else:
+            limits[d.name] = None if background else _tensorflow_default_limits().get(d.name)
     try:
         readings = nvml.read_gpus()
     except nvml.NvmlUnavailable:
@@ -71,7 +85,8 @@ def _static_parts() -> dict:
     mapping = {g.index: nvml.nvml_index_for_cuda_ordinal(g.index, readings) for g in gpus if g.visible}
     parts = {"devices": [d.name for d in devices], "limits": limits,
              "nvml": {k: v for k, v in mapping.items() if v is not None}}
-    if runtime_started():
+    complete = not background or all(v is not None for k, v in limits.items() if k.startswith("GPU"))
+    if runtime_started() and complete:
         _static = parts
     return parts
 
@@ -88,10 +103,8 @@ def read_sample(background: bool = False) -> Sample:
         started = runtime_started()
         devices: list[DeviceSample] = []
         gpus: list[GpuSample] = []
-        if started and background and _static is None:
-            started = False  # until the main thread has read the devices (next cell's end)
         if started:
-            parts = _static_parts()
+            parts = _static_parts(background)
             for name in parts["devices"]:
                 try:
                     in_use, peak = read_allocator(name)

@@ -55,6 +55,9 @@ class Gauge(w.VBox):
         self._host = _bar("host (process)", "info")
         self._host_text = w.HTML("")
         self._spark = w.HTML(_sparkline([]))
+        self._spark_label = w.Label("")
+        self._spark_line = w.HBox([self._spark_label, self._spark])
+        self._host_line = w.HBox([self._host, self._host_text])
         self._last: Sample | None = None
         self.add_class("tfmem-gauge")
         self._token = sampler.subscribe(self._on_sample, interval)
@@ -75,6 +78,7 @@ class Gauge(w.VBox):
             self._apply(sample)
 
     def _device_row(self, name: str) -> dict[str, w.Widget]:
+        """The widgets of one row, made once: later samples only assign their traits."""
         row = self._rows.get(name)
         if row is None:
             row = {
@@ -82,6 +86,7 @@ class Gauge(w.VBox):
                 "peak": _bar(f"{name} peak", "warning"),
                 "text": w.HTML(""),
             }
+            row["line"] = w.HBox([row["in_use"], row["text"]])
             self._rows[name] = row
         return row
 
@@ -105,7 +110,7 @@ class Gauge(w.VBox):
                 f"<span class='tfmem-in-use' data-bytes='{d.in_use_bytes}'>{format_bytes(d.in_use_bytes)}</span> in use, "
                 f"peak {format_bytes(d.peak_bytes)}, limit {format_bytes(d.limit_bytes)}"
             )
-            children += [w.HBox([row["in_use"], row["text"]]), row["peak"]]
+            children += [row["line"], row["peak"]]
             if main is None:
                 main = d
         for gpu in sample.gpus:
@@ -114,15 +119,16 @@ class Gauge(w.VBox):
             row["in_use"].max = float(gpu.total_bytes)
             row["in_use"].value = float(gpu.used_bytes)
             row["text"].value = f"{format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}"
-            children.append(w.HBox([row["in_use"], row["text"]]))
+            children.append(row["line"])
         self._host.max = float(sample.host_total_bytes)
         self._host.value = float(sample.host_rss_bytes)
         self._host_text.value = f"{format_bytes(sample.host_rss_bytes)} resident"
-        children.append(w.HBox([self._host, self._host_text]))
+        children.append(self._host_line)
         if main is not None and main.in_use_bytes is not None:
             self._history.append(main.in_use_bytes)
             self._spark.value = _sparkline(list(self._history))
-            children.append(w.HBox([w.Label(f"{main.name} in use, last {len(self._history)} readings"), self._spark]))
+            self._spark_label.value = f"{main.name} in use, last {len(self._history)} readings"
+            children.append(self._spark_line)
         if tuple(self.children) != tuple(children):
             self.children = children
 

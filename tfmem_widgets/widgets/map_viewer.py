@@ -37,14 +37,23 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
         parts.append(f'<text x="0" y="{y + 14}" font-size="11">{name} {escape(format_bytes(region.size))}</text>')
         parts.append(f'<rect x="{label}" y="{y}" width="{width}" height="{_ROW - 6}" fill="white" stroke="black" stroke-width="0.6"/>')
         scale = width / region.size
-        pending = None  # chunks narrower than a pixel are drawn together
+        pending = None  # neighbouring chunks narrower than a pixel are drawn together
+
+        def flush():
+            if pending:
+                parts.append(f'<rect x="{pending[0]:.2f}" y="{y}" width="{max(pending[1], 1):.2f}" '
+                             f'height="{_ROW - 6}" fill="#555"><title>{pending[2]} small chunks</title></rect>')
+
         for chunk in snapshot.chunks:
             if not (region.address <= chunk.address < region.address + region.size) or not chunk.in_use:
                 continue
             x = label + (chunk.address - region.address) * scale
             wide = chunk.size * scale
             if wide < 1:
-                pending = (pending or [x, 0, 0])
+                if pending and x > pending[0] + pending[1] + 1:
+                    flush()
+                    pending = None
+                pending = pending or [x, 0, 0]
                 pending[1] = x + wide - pending[0]
                 pending[2] += 1
                 continue
@@ -52,9 +61,7 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
                      f"at {chunk.address:#x}" + (f", event {chunk.since}" if chunk.since is not None else ""))
             parts.append(f'<rect class="tfmem-chunk" x="{x:.2f}" y="{y}" width="{wide:.2f}" height="{_ROW - 6}" '
                          f'fill="{colors.get(chunk.op or "(no op recorded)", "#999")}"><title>{escape(title)}</title></rect>')
-        if pending:
-            parts.append(f'<rect x="{pending[0]:.2f}" y="{y}" width="{max(pending[1], 1):.2f}" height="{_ROW - 6}" '
-                         f'fill="#555"><title>{pending[2]} small chunks</title></rect>')
+        flush()
     parts.append("</svg>")
     return "".join(parts)
 

@@ -1,0 +1,186 @@
+"""The panels in a real browser: JupyterLab, Debian's Chromium, driven by Playwright.
+
+A notebook is opened and run; the test checks in the page that the gauge renders, that its
+in-use figure changes while a training cell runs, that the setup panel shows a conflict for a
+conflicting choice, and that a traced OOM shows the map viewer. Screenshots go to
+ci-artifacts/screenshots/. Every wait has a deadline, and the server is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "ci-artifacts" / "screenshots"
+TOKEN = "tfmem-browser-test"
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium'; .ci/run installs it)"
+)
+
+CELLS = [
+    "%load_ext tfmem_widgets\n%tfmem setup --lab 192",
+    "%tfmem watch --interval 0.2",
+    # A training cell long enough to watch: the gauge must move while it runs.
+    """import numpy as np, tensorflow as tf, time
+model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(256, activation="relu"),
+                             tf.keras.layers.Dense(10)])
+model.compile("adam", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(4096, 32)).astype("float32")
+y = np.random.default_rng(1).integers(0, 10, size=4096)
+held = []
+for step in range(16):
+    model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+    with tf.device("CPU:0"):
+        held.append(tf.zeros((1 << 20,)))      # 4 MiB more each round
+    time.sleep(0.3)
+print("trained")""",
+    "%tfmem panel",
+    """%%tfmem trace
+with tf.device("CPU:0"):
+    del held
+    ts = [tf.zeros((1 << 21,)) for _ in range(20)]     # 8 MiB each
+    ts = ts[1::2]                                       # free every other one
+    too_big = tf.zeros((12 << 20,))                     # 48 MiB: no hole is that large""",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_notebook(folder: Path) -> Path:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = folder / "browser_check.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    port = _free_port()
+    _write_notebook(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_") and k != "IPYTHONDIR"}
+    env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")
+    args = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+            f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}",
+            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.expose_app_in_browser=True",
+            "--ServerApp.open_browser=False"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--allow-root")
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None:
+                raise AssertionError(server.stdout.read().decode(errors="replace")[-3000:])
+            time.sleep(0.5)
+    else:
+        server.kill()
+        raise AssertionError("JupyterLab did not start within 90 s")
+    try:
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def _in_use_bytes(page) -> int | None:
+    text = page.locator(".tfmem-gauge .tfmem-in-use").first.get_attribute("data-bytes", timeout=5_000)
+    return None if text in (None, "None") else int(text)
+
+
+def test_panels_in_jupyterlab(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(f"{jupyterlab}/lab/tree/browser_check.ipynb?token={TOKEN}")
+            page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=90_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            page.wait_for_function(
+                "() => { const w = window.jupyterapp.shell.currentWidget;"
+                " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
+                " && w.sessionContext.session.kernel.status === 'idle'; }", timeout=120_000)
+            # Not awaited: the command's promise settles only when every cell has run.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+            # The gauge renders, and its in-use figure changes while the training cell runs.
+            page.wait_for_function(
+                "() => { const e = document.querySelector('.tfmem-gauge .tfmem-in-use');"
+                " return e && e.dataset.bytes && e.dataset.bytes !== 'None'; }", timeout=120_000)
+            first = _in_use_bytes(page)
+            seen = [(0.0, first, None)]
+            started_at = time.monotonic()
+            deadline = time.monotonic() + 60
+            changed_while_running = False
+            shot_taken = False
+            while time.monotonic() < deadline:
+                now = _in_use_bytes(page)
+                running = page.locator(".jp-OutputArea-output", has_text="trained").count() == 0
+                seen.append((round(time.monotonic() - started_at, 2), now, running))
+                if now != first and running:
+                    changed_while_running = True
+                    if not shot_taken:
+                        page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / "gauge.png"))
+                        shot_taken = True
+                    if now is not None and first is not None and now - first >= 16 << 20:
+                        break
+                if not running:
+                    break
+                time.sleep(0.25)
+            if not changed_while_running:
+                page.screenshot(path=str(SHOTS / "failure.png"), full_page=True)
+            assert changed_while_running, f"the gauge's in-use figure did not change while the cell ran: {seen}"
+            page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / "gauge.png"))
+
+            # The setup panel: a limit for lab mode after the runtime has started is refused.
+            panel = page.locator(".tfmem-setup-panel").first
+            panel.wait_for(timeout=120_000)
+            handle = panel.locator(".noUi-handle").last
+            handle.focus()
+            handle.press("ArrowRight")
+            page.wait_for_selector(".tfmem-setup-panel .tfmem-conflict", timeout=30_000)
+            assert "already started" in panel.locator(".tfmem-conflict").inner_text()
+            panel.screenshot(path=str(SHOTS / "setup_panel.png"))
+
+            # The traced OOM shows the map viewer, marked as an OOM.
+            viewer = page.locator(".tfmem-map-viewer").first
+            viewer.wait_for(timeout=120_000)
+            assert "ended in an OOM" in viewer.inner_text()
+            assert viewer.locator("svg.tfmem-map rect.tfmem-chunk").count() > 3
+            viewer.screenshot(path=str(SHOTS / "map_viewer.png"))
+        finally:
+            browser.close()

@@ -91,6 +91,24 @@ def _static_parts(background: bool) -> dict:
     return parts
 
 
+_PROCESS = None
+_HOST_TOTAL = None
+
+
+def _process(psutil):
+    global _PROCESS
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
+        _PROCESS = psutil.Process(os.getpid())
+    return _PROCESS
+
+
+def _host_total(psutil) -> int:
+    global _HOST_TOTAL
+    if _HOST_TOTAL is None:
+        _HOST_TOTAL = psutil.virtual_memory().total
+    return _HOST_TOTAL
+
+
 def read_sample(background: bool = False) -> Sample:
     """One reading of every figure; never starts TensorFlow's runtime.
 
@@ -121,9 +139,8 @@ def read_sample(background: bool = False) -> Sample:
             except Exception:  # the driver went away: show the rest
                 continue
             gpus.append(GpuSample(tf_index, gpu.used_bytes, gpu.total_bytes))
-        memory = psutil.virtual_memory()
         return Sample(time.time(), started, tuple(devices), tuple(gpus),
-                      psutil.Process(os.getpid()).memory_info().rss, memory.total)
+                      _process(psutil).memory_info().rss, _host_total(psutil))
 
 
 class Sampler:

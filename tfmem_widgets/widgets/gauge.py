@@ -17,6 +17,7 @@ from ..sampler import DEFAULT_INTERVAL, Sample, read_sample, sampler
 from ..units import format_bytes
 
 _HISTORY = 120  # samples kept for the sparkline
+_SPARK_EVERY = 0.5  # seconds between redraws of the sparkline
 _live: "weakref.WeakSet[Gauge]" = weakref.WeakSet()
 
 
@@ -59,6 +60,7 @@ class Gauge(w.VBox):
         self._spark_line = w.HBox([self._spark_label, self._spark])
         self._host_line = w.HBox([self._host, self._host_text])
         self._last: Sample | None = None
+        self._spark_drawn = 0.0
         self.add_class("tfmem-gauge")
         self._token = sampler.subscribe(self._on_sample, interval)
         _live.add(self)
@@ -120,14 +122,19 @@ class Gauge(w.VBox):
             row["in_use"].value = float(gpu.used_bytes)
             row["text"].value = f"{format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}"
             children.append(row["line"])
+        # Whole MiB for the host: its last bytes move at every reading, and every change is
+        # a message to the frontend.
+        rss = sample.host_rss_bytes >> 20 << 20
         self._host.max = float(sample.host_total_bytes)
-        self._host.value = float(sample.host_rss_bytes)
-        self._host_text.value = f"{format_bytes(sample.host_rss_bytes)} resident"
+        self._host.value = float(rss)
+        self._host_text.value = f"{format_bytes(rss)} resident"
         children.append(self._host_line)
         if main is not None and main.in_use_bytes is not None:
             self._history.append(main.in_use_bytes)
-            self._spark.value = _sparkline(list(self._history))
-            self._spark_label.value = f"{main.name} in use, last {len(self._history)} readings"
+            if sample.time - self._spark_drawn >= _SPARK_EVERY or not self._spark_label.value:
+                self._spark_drawn = sample.time  # the sparkline, the largest message, at most 2 Hz
+                self._spark.value = _sparkline(list(self._history))
+                self._spark_label.value = f"{main.name} in use, recent readings"
             children.append(self._spark_line)
         if tuple(self.children) != tuple(children):
             self.children = children

@@ -1,0 +1,92 @@
+"""What a live gauge costs a training loop: sampling at 10 Hz against no gauge.
+
+    python3 dev.py bench          # or: .venv/bin/python benchmarks/gauge_overhead.py
+
+A real Jupyter kernel (so widget updates are real messages on its iopub channel) trains a
+small Keras model in lab mode, one epoch per run. Runs alternate in pairs, off/on then on/off
+(ABBA, so a drift of the machine hits both sides alike); the figure is the median of the
+per-pair ratios (time with the gauge / time without), as a slowdown in percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETUP = """
+import time, numpy as np, tfmem_widgets
+tfmem_widgets.setup(lab_mb=1024)
+import tensorflow as tf
+from tfmem_widgets import Gauge
+model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(256, activation="relu"),
+                             tf.keras.layers.Dense(256, activation="relu"), tf.keras.layers.Dense(10)])
+model.compile("adam", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(131072, 64)).astype("float32")
+y = np.random.default_rng(1).integers(0, 10, size=131072)
+model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
+
+def timed(with_gauge):
+    gauge = Gauge(interval=0.1) if with_gauge else None
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+    seconds = time.perf_counter() - start
+    samples = gauge.samples if gauge is not None else 0
+    if gauge is not None:
+        gauge.close()
+    return seconds, samples
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=30)
+    args = parser.parse_args()
+    from jupyter_client.manager import start_new_kernel
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+    try:
+        def run(code: str) -> str:
+            reply_text = []
+
+            def on_output(msg):
+                if msg["msg_type"] == "stream":
+                    reply_text.append(msg["content"]["text"])
+                elif msg["msg_type"] == "error":
+                    reply_text.append("\n".join(msg["content"]["traceback"]))
+
+            reply = client.execute_interactive(code, timeout=600, output_hook=on_output)
+            if reply["content"]["status"] != "ok":
+                sys.exit("benchmark kernel failed:\n" + "".join(reply_text))
+            return "".join(reply_text)
+
+        run(SETUP)
+        ratios, samples, plain = [], [], []
+        for pair in range(args.pairs):
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            times = {}
+            for with_gauge in order:
+                out = json.loads(run(f"import json; print(json.dumps(timed({with_gauge})))").strip())
+                times[with_gauge] = out[0]
+                if with_gauge:
+                    samples.append(out[1])
+            ratios.append(times[True] / times[False])
+            plain.append(times[False])
+        slowdown = (statistics.median(ratios) - 1) * 100
+        print(f"gauge at 10 Hz during a Keras epoch ({statistics.median(plain):.2f} s without it, "
+              f"{statistics.median(samples):.0f} readings with it): slowdown {slowdown:+.2f}% "
+              f"(median of {len(ratios)} ABBA pairs; pair ratios {min(ratios):.3f} to {max(ratios):.3f})")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -260,3 +260,33 @@ def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
     assert out["equal"] and out["chunks"] > 10 and out["frag_diff"] <= 1e-6
     assert out["gpu1_events"] >= 3 and out["gpu1_complete"]
     assert (tmp_path / "map.png").stat().st_size > 0 and (tmp_path / "snapshot.png").stat().st_size > 0
+
+
+def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
+    out = fresh(
+        """
+        tfmem_widgets.setup(split=[1024, 512])
+        import tensorflow as tf
+        for name in ("GPU:0", "GPU:1"):
+            with tf.device(name):
+                tf.zeros((256,))
+        from tfmem_widgets.widgets import Gauge, SetupPanel
+        gauge = Gauge(interval=0.1)
+        import time; time.sleep(0.5)
+        sample = gauge._last
+        card = nvml.read_gpus()[0]
+        panel = SetupPanel()
+        rows = {name: (row["in_use"].value, row["in_use"].max) for name, row in gauge._rows.items()}
+        gauge.close()
+        print(json.dumps({"rows": rows, "devices": [[d.name, d.in_use_bytes, d.limit_bytes] for d in sample.devices],
+                          "card_total": card.total_bytes, "slider_max": panel.limit.max,
+                          "gpu_rows": [[g.index, g.used_bytes, g.total_bytes] for g in sample.gpus]}))
+        """
+    )
+    devices = {name: (in_use, limit) for name, in_use, limit in out["devices"]}
+    assert devices["GPU:0"][1] == 1024 * MiB and devices["GPU:1"][1] == 512 * MiB
+    assert devices["GPU:0"][0] > 0 and devices["GPU:1"][0] > 0
+    assert out["rows"]["GPU:0"][1] == 1024 * MiB and out["rows"]["GPU:1"][1] == 512 * MiB
+    assert out["gpu_rows"][0][2] == out["card_total"] and out["gpu_rows"][0][1] > 1536 * MiB
+    assert out["slider_max"] == out["card_total"] // MiB, "the panel's limit is bounded by the real card"
+    assert out["rows"]["card 0"][1] == out["card_total"]

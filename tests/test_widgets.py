@@ -120,9 +120,14 @@ def test_after_the_runtime_started_apply_is_off_with_a_restart_snippet():
     assert "Restart the kernel" in panel.result.value and "%tfmem setup --growth" in panel.result.value
 
 
-def test_the_panel_here_has_no_gpu_choices_and_shows_the_lab_in_effect(lab_session):
+def test_the_panel_shows_this_machines_gpus_and_the_lab_in_effect(lab_session):
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
     panel = SetupPanel()
-    assert panel.gpus.disabled and panel.growth.disabled and panel.lab.value and panel.lab_mb.value == 256
+    assert len(panel.gpus.options) == len(gpus)
+    assert panel.gpus.disabled == panel.growth.disabled == (not gpus)
+    assert panel.lab.value and panel.lab_mb.value == 256
     assert "Nothing to change" in panel.message.value
     panel.lab_mb.value = 512
     assert "already started" in panel.message.value and panel.apply_button.disabled

@@ -31,21 +31,30 @@ x = np.random.default_rng(0).normal(size=(131072, 64)).astype("float32")
 y = np.random.default_rng(1).integers(0, 10, size=131072)
 model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
 
-def timed(with_gauge):
-    gauge = Gauge(interval=0.1) if with_gauge else None
+from tfmem_widgets.sampler import sampler
+
+def timed(with_gauge, bare=False):
+    gauge = token = None
+    if with_gauge and bare:
+        token = sampler.subscribe(lambda sample: None, 0.1)   # readings only, no widget
+    elif with_gauge:
+        gauge = Gauge(interval=0.1)
     start = time.perf_counter()
     model.fit(x, y, batch_size=128, epochs=1, verbose=0)
     seconds = time.perf_counter() - start
     samples = gauge.samples if gauge is not None else 0
     if gauge is not None:
         gauge.close()
+    if token is not None:
+        sampler.unsubscribe(token)
     return seconds, samples
 """
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--bare", action="store_true", help="the sampler thread alone, without a widget")
     args = parser.parse_args()
     from jupyter_client.manager import start_new_kernel
 
@@ -73,14 +82,15 @@ def main() -> None:
             order = (False, True) if pair % 2 == 0 else (True, False)
             times = {}
             for with_gauge in order:
-                out = json.loads(run(f"import json; print(json.dumps(timed({with_gauge})))").strip())
+                out = json.loads(run(f"import json; print(json.dumps(timed({with_gauge}, {args.bare})))").strip())
                 times[with_gauge] = out[0]
                 if with_gauge:
                     samples.append(out[1])
             ratios.append(times[True] / times[False])
             plain.append(times[False])
         slowdown = (statistics.median(ratios) - 1) * 100
-        print(f"gauge at 10 Hz during a Keras epoch ({statistics.median(plain):.2f} s without it, "
+        what = "sampler thread alone" if args.bare else "gauge"
+        print(f"{what} at 10 Hz during a Keras epoch ({statistics.median(plain):.2f} s without it, "
               f"{statistics.median(samples):.0f} readings with it): slowdown {slowdown:+.2f}% "
               f"(median of {len(ratios)} ABBA pairs; pair ratios {min(ratios):.3f} to {max(ratios):.3f})")
     finally:

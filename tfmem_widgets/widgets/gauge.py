@@ -18,6 +18,7 @@ from ..units import format_bytes
 
 _HISTORY = 120  # samples kept for the sparkline
 _SPARK_EVERY = 0.5  # seconds between redraws of the sparkline
+_SHOW_EVERY = 0.25  # seconds between updates of the page from the sampler thread
 _live: "weakref.WeakSet[Gauge]" = weakref.WeakSet()
 
 
@@ -61,6 +62,7 @@ class Gauge(w.VBox):
         self._host_line = w.HBox([self._host, self._host_text])
         self._last: Sample | None = None
         self._spark_drawn = 0.0
+        self._shown_at = 0.0
         self.add_class("tfmem-gauge")
         self._token = sampler.subscribe(self._on_sample, interval)
         _live.add(self)
@@ -68,16 +70,26 @@ class Gauge(w.VBox):
 
     # -- updates ------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Read now, on the calling thread (used after each cell)."""
-        self._on_sample(read_sample())
+        """Read now, on the calling thread (used after each cell), and show it."""
+        self._on_sample(read_sample(), show=True)
 
-    def _on_sample(self, sample: Sample) -> None:
+    def _on_sample(self, sample: Sample, show: bool = False) -> None:
         with self._lock:
             if self._token is None:
                 return
             self._last = sample
             self.samples += 1
-            self._apply(sample)
+            main = self._main_device(sample)
+            if main is not None and main.in_use_bytes is not None:
+                self._history.append(main.in_use_bytes)
+            # Every reading is kept; the page is updated at most 4 times a second, since each
+            # update is a message the kernel sends while the user's cell runs.
+            if show or sample.time - self._shown_at >= _SHOW_EVERY:
+                self._shown_at = sample.time
+                self._apply(sample)
+
+    def _main_device(self, sample: Sample):
+        return next((d for d in sample.devices if self.device is None or d.name == self.device), None)
 
     def _device_row(self, name: str) -> dict[str, w.Widget]:
         """The widgets of one row, made once: later samples only assign their traits."""
@@ -129,8 +141,7 @@ class Gauge(w.VBox):
         self._host.value = float(rss)
         self._host_text.value = f"{format_bytes(rss)} resident"
         children.append(self._host_line)
-        if main is not None and main.in_use_bytes is not None:
-            self._history.append(main.in_use_bytes)
+        if main is not None and len(self._history):
             if sample.time - self._spark_drawn >= _SPARK_EVERY or not self._spark_label.value:
                 self._spark_drawn = sample.time  # the sparkline, the largest message, at most 2 Hz
                 self._spark.value = _sparkline(list(self._history))

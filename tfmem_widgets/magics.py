@@ -215,7 +215,10 @@ class TfmemMagics(Magics):
             outcome = self.shell.run_cell(cell, store_history=False)
         finally:
             failure = None if outcome is None else (outcome.error_before_exec or outcome.error_in_exec)
-            block.__exit__(type(failure) if failure else None, failure, None)
+            try:
+                block.__exit__(type(failure) if failure else None, failure, None)
+            except SetupError as exc:  # a trace file TensorFlow wrote that cannot be read
+                raise UsageError(str(exc)) from None
         result = block.result
         if args.variable:
             self.shell.user_ns[args.variable] = result

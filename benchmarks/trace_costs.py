@@ -17,7 +17,6 @@ Each measurement runs in its own process, so one does not inflate another's memo
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess

@@ -1,6 +1,5 @@
 """NVML on this machine: the real library, whatever it finds."""
 
-import pytest
 
 from tfmem_widgets import nvml
 

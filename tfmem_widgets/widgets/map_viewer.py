@@ -21,6 +21,13 @@ _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
             "#bcbd22", "#17becf"]
 
 
+def _small_chunks(pending: list, y: int) -> str:
+    """One rectangle for neighbouring chunks too narrow to draw one by one."""
+    x, wide, count = pending
+    return (f'<rect x="{x:.2f}" y="{y}" width="{max(wide, 1):.2f}" height="{_ROW - 6}" fill="#555">'
+            f"<title>{count} small chunks</title></rect>")
+
+
 def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
     """The pool as SVG: one row per region, in-use chunks coloured by op, holes left blank.
     Without known regions (a trace after earlier work), rows are stretches of the addresses
@@ -39,10 +46,6 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
         scale = width / region.size
         pending = None  # neighbouring chunks narrower than a pixel are drawn together
 
-        def flush():
-            if pending:
-                parts.append(f'<rect x="{pending[0]:.2f}" y="{y}" width="{max(pending[1], 1):.2f}" '
-                             f'height="{_ROW - 6}" fill="#555"><title>{pending[2]} small chunks</title></rect>')
 
         for chunk in snapshot.chunks:
             if not (region.address <= chunk.address < region.address + region.size) or not chunk.in_use:
@@ -51,7 +54,7 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
             wide = chunk.size * scale
             if wide < 1:
                 if pending and x > pending[0] + pending[1] + 1:
-                    flush()
+                    parts.append(_small_chunks(pending, y))
                     pending = None
                 pending = pending or [x, 0, 0]
                 pending[1] = x + wide - pending[0]
@@ -61,7 +64,8 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
                      f"at {chunk.address:#x}" + (f", event {chunk.since}" if chunk.since is not None else ""))
             parts.append(f'<rect class="tfmem-chunk" x="{x:.2f}" y="{y}" width="{wide:.2f}" height="{_ROW - 6}" '
                          f'fill="{colors.get(chunk.op or "(no op recorded)", "#999")}"><title>{escape(title)}</title></rect>')
-        flush()
+        if pending:
+            parts.append(_small_chunks(pending, y))
     parts.append("</svg>")
     return "".join(parts)
 

@@ -152,3 +152,24 @@ def test_the_map_viewer_moves_through_a_real_trace(lab_session):
     viewer.moment.value = 0
     assert viewer.current_map.event_index == 0
     del parts
+
+
+def test_a_gauge_left_running_ends_with_the_process_without_a_trace_in_the_log():
+    from conftest import start_fresh
+
+    proc = start_fresh(
+        """
+        import json, time, tfmem_widgets
+        tfmem_widgets.setup(lab_mb=64)
+        import tensorflow as tf
+        with tf.device("CPU:0"):
+            x = tf.zeros((1000,))
+        gauge = tfmem_widgets.Gauge(interval=0.02)
+        time.sleep(0.3)
+        print(json.dumps({"samples": gauge.samples}))
+        """  # exits with the gauge still running: the exit handler stops the thread
+    )
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert '"samples"' in stdout
+    assert "Traceback" not in stderr and "Exception" not in stderr

@@ -18,7 +18,7 @@ from ..units import format_bytes
 
 _HISTORY = 120  # samples kept for the sparkline
 _SPARK_EVERY = 0.5  # seconds between redraws of the sparkline
-_SHOW_EVERY = 0.25  # seconds between updates of the page from the sampler thread
+_SHOW_EVERY = 0.5  # seconds between updates of the page from the sampler thread
 _live: "weakref.WeakSet[Gauge]" = weakref.WeakSet()
 
 
@@ -82,7 +82,7 @@ class Gauge(w.VBox):
             main = self._main_device(sample)
             if main is not None and main.in_use_bytes is not None:
                 self._history.append(main.in_use_bytes)
-            # Every reading is kept; the page is updated at most 4 times a second, since each
+            # Every reading is kept; the page is updated at most twice a second, since each
             # update is a message the kernel sends while the user's cell runs.
             if show or sample.time - self._shown_at >= _SHOW_EVERY:
                 self._shown_at = sample.time

@@ -11,7 +11,7 @@ total. The three processes run side by side (each OOM waits 10 s in TensorFlow's
 
 import pytest
 
-from conftest import finish_fresh, start_fresh
+from conftest import finish_fresh, run_fresh, start_fresh
 
 HARNESS = """
 import json, numpy as np, tfmem_widgets
@@ -33,18 +33,26 @@ def oom(block):
         return True
     return False
 
+def traced(block):
+    # block() under a trace: (trace, whether it ended in an OOM, its events, the map
+    # rebuilt from the events alone, TensorFlow's dump).
+    raised = False
+    try:
+        with trace() as t:
+            block()
+    except tf.errors.ResourceExhaustedError:
+        raised = True
+    events = t.events()
+    rebuilt = t.result._replay(events.allocator, len(events) - 1).snapshot()
+    return t, raised, events, rebuilt, t.dumps.get(events.allocator)
+
 out = {}
 # (a) from the allocator's first allocation
-try:
-    with trace() as a:
-        kept = PATTERN(1)
-        fill(REQUEST)
-    out["a_raised"] = False
-except tf.errors.ResourceExhaustedError:
-    out["a_raised"] = True
-events = a.events()
-rebuilt = a.result._replay(events.allocator, len(events) - 1).snapshot()
-dump = a.dumps[events.allocator]
+def block_a():
+    global kept
+    kept = PATTERN(1)
+    fill(REQUEST)
+a, out["a_raised"], events, rebuilt, dump = traced(block_a)
 ours = a.fragmentation_series()
 theirs = events.fragmentation
 out["a_events"] = len(events)
@@ -71,17 +79,12 @@ del kept
 earlier = PATTERN(2)
 with tf.device("CPU:0"):
     in_use_at_start = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
-try:
-    with trace() as b:
-        earlier = earlier[len(earlier) // 2:]      # frees chunks the trace never saw allocated
-        later = PATTERN(3)
-        fill(LAB_MB << 18)                          # the whole limit: no hole can hold it
-    out["b_raised"] = False
-except tf.errors.ResourceExhaustedError:
-    out["b_raised"] = True
-events = b.events()
-rebuilt = b.result._replay(events.allocator, len(events) - 1).snapshot()
-dump = b.dumps[events.allocator]
+def block_b():
+    global earlier, later
+    earlier = earlier[len(earlier) // 2:]           # frees chunks the trace never saw allocated
+    later = PATTERN(3)
+    fill(LAB_MB << 18)                              # the whole limit: no hole can hold it
+b, out["b_raised"], events, rebuilt, dump = traced(block_b)
 by_address = {c.address: c for c in dump.chunks}
 inside = [c for c in rebuilt.chunks if c.in_use]
 out["b_fresh"] = b.result._is_fresh(events.allocator)
@@ -196,3 +199,34 @@ def test_a_log_with_missing_lines_is_refused_in_one_line(real_log):
         with pytest.raises(tfmem_widgets.TraceDataError) as info:
             tfmem_widgets.parse_bfc_dump("\n".join(text))
         assert "\n" not in str(info.value), what
+
+
+def test_an_oom_that_python_unwinds_is_placed_at_the_failed_allocation():
+    # The OOM strikes inside a list comprehension: while the error unwinds, Python frees the
+    # tensors made so far, so the trace ends after the moment TensorFlow dumped the allocator.
+    out = run_fresh(
+        """
+        import json, tfmem_widgets
+        tfmem_widgets.setup(lab_mb=64)
+        import tensorflow as tf
+        try:
+            with tfmem_widgets.trace() as t:
+                with tf.device("CPU:0"):
+                    everything = [tf.zeros((1 << 19,)) for _ in range(40)]   # 80 MiB in 64
+        except tf.errors.ResourceExhaustedError:
+            pass
+        events = t.events()
+        at = t.dump_index()
+        dump_map = t.map()
+        rebuilt = t.map(at)
+        chunks = lambda m: [(c.address, c.size, c.in_use) for c in m.chunks]
+        print(json.dumps({"at": at, "last": len(events) - 1, "event_index": dump_map.event_index,
+                          "equal": chunks(dump_map) == chunks(rebuilt), "source": dump_map.source,
+                          "ops": all(c.op == "Fill" for c in dump_map.chunks if c.in_use and c.size > 256),
+                          "end_in_use": int(events.in_use[-1]), "dump_in_use": dump_map.in_use_bytes}))
+        """
+    )
+    assert out["source"] == "dump" and out["at"] < out["last"] and out["event_index"] == out["at"]
+    assert out["end_in_use"] < out["dump_in_use"], "the frees while unwinding come after the dump"
+    assert out["equal"], "the dump equals the pool rebuilt from the events at the failed allocation"
+    assert out["ops"]

@@ -143,7 +143,8 @@ class Trace:
         """The allocator's chunks after event `at` ('peak' for the moment of peak).
 
         at=None: the state when the block ended or failed; after an OOM that is TensorFlow's own
-        dump of the allocator, its chunks annotated with the ops the trace saw.
+        dump of the allocator at the failed allocation (``dump_index``), its chunks annotated
+        with the ops the trace saw.
         """
         name = self._name(allocator)
         events = self._events[name]
@@ -164,8 +165,22 @@ class Trace:
             "traced after earlier work: chunks from before the trace are counted, not drawn",)
         return self._replay(name, index).snapshot(notes)
 
+    def dump_index(self, allocator: str | None = None) -> int:
+        """The event after which TensorFlow's dump was taken: the failed allocation comes after
+        it, but Python may free tensors while the error unwinds, so it need not be the last
+        event. It is the last event whose in-use figure equals the dump's."""
+        name = self._name(allocator)
+        events = self._events[name]
+        dump = self.dumps.get(name) or self.text_dump
+        if dump is None:
+            return len(events) - 1
+        in_use = sum(c.size for c in dump.chunks if c.in_use)
+        matches = np.nonzero(events.in_use == in_use)[0]
+        return int(matches[-1]) if len(matches) else len(events) - 1
+
     def _annotated_dump(self, name: str, dump: AllocatorMap) -> AllocatorMap:
-        replay = self._replay(name, len(self._events[name]) - 1)
+        index = self.dump_index(name)
+        replay = self._replay(name, index)
         events = self._events[name]
         chunks = []
         for chunk in dump.chunks:
@@ -181,7 +196,7 @@ class Trace:
             regions, notes = tuple(replay.regions), ()  # the trace knows the regions exactly
         return AllocatorMap(
             allocator=name, chunks=tuple(chunks), regions=regions, source=dump.source, complete=True,
-            limit_bytes=dump.limit_bytes or events.limit_bytes, event_index=len(events) - 1,
+            limit_bytes=dump.limit_bytes or events.limit_bytes, event_index=index,
             reported_fragmentation=dump.reported_fragmentation,
             failed_request_bytes=self.oom.request_bytes if self.oom and self.oom.allocator == name
             else dump.failed_request_bytes,

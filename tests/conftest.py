@@ -32,13 +32,11 @@ KEEP_8_DROP_16 = "\\n".join(["import tensorflow as tf",
 def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a new Python process, as a reader's would start: without this
     process's setup variables. finish_fresh gives the JSON object it prints last."""
-    from tfmem_widgets.runtime import SETUP_ENV_VARS
+    from tfmem_widgets.fresh import child_environment
 
-    full_env = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
-    full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment(env),
     )
 
 

@@ -290,3 +290,15 @@ def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
     assert out["gpu_rows"][0][2] == out["card_total"] and out["gpu_rows"][0][1] > 1536 * MiB
     assert out["slider_max"] == out["card_total"] // MiB, "the panel's limit is bounded by the real card"
     assert out["rows"]["card 0"][1] == out["card_total"]
+
+
+def test_the_workbooks_gpu_experiments_run_live_and_measure_what_they_say():
+    from tfmem_widgets.gpu_experiments import gpu_result
+
+    order = gpu_result("logical_then_growth")
+    assert order.live and "live on" in repr(order)
+    assert order.values["error"] == "Cannot set memory growth on device when virtual devices configured"
+    dropped = gpu_result("growth_then_logical")
+    assert dropped.values["nvml_delta"] >= 1000 << 20        # the whole 1024 MB limit
+    forced = gpu_result("force_growth_logical")
+    assert forced.values["nvml_delta"] < 64 << 20            # a small first region

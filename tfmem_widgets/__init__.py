@@ -8,6 +8,7 @@ only possible before its runtime starts, so nothing here may start it early.
     %tfmem                        # TensorFlow's figures next to the driver's and the host's
     %%tfmem                       # exact peak and net change of a cell
     %%tfmem trace                 # every allocation of a cell, its memory map, the OOM dump
+    %%tfmem fresh --lab 64        # the cell in a new process, set up its own way
     %tfmem watch / %tfmem panel   # a live gauge; the setup panel
 """
 
@@ -15,6 +16,7 @@ from .allocator_map import AllocatorMap, Chunk, Region
 from .bfc_dump import load_memory_dump, parse_bfc_dump
 from .device_setup import SetupResult, setup
 from .errors import SetupError
+from .fresh import FreshRun, FreshRunError, run_fresh
 from .measure import Measurement, measure
 from .report import MemoryReport, report
 from .trace import Trace, trace
@@ -30,6 +32,9 @@ __all__ = [
     "load_memory_dump",
     "parse_bfc_dump",
     "trace",
+    "FreshRun",
+    "FreshRunError",
+    "run_fresh",
     "Measurement",
     "MemoryReport",
     "SetupError",

@@ -80,20 +80,8 @@ def _gpus(text: str):
     return [_gpu_index(part) for part in text.split(",")]
 
 
-def _parsers():
-    line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
-    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel}")
-    commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
-    watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
-    watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
-    watch.add_argument("--interval", type=_seconds, default=0.5, metavar="S", help="seconds between readings")
-    watch.add_argument("-d", "--device", default=None, help="only this device (e.g. GPU:0)")
-    commands.add_parser("panel", help="the device setup panel")
-    s = commands.add_parser(
-        "setup",
-        help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
-        description="Without options and without a GPU: lab mode, 1024 MB.",
-    )
+def _add_setup_arguments(s):
+    """The options of %tfmem setup (also those of %%tfmem fresh)."""
     s.add_argument("--lab", type=_mb, metavar="MB", dest="lab_mb",
                    help="lab mode: TensorFlow's CPU allocator becomes its BFC allocator with this limit")
     growth = s.add_mutually_exclusive_group()
@@ -113,6 +101,38 @@ def _parsers():
                    help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
     s.add_argument("--cpus", type=_mb, metavar="N", help="split the CPU into N logical devices")
 
+
+def _env_assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [name for name in names if not name.isidentifier()]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected Python names separated by commas, got {text!r}")
+    return names
+
+
+def _parsers():
+    line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel}")
+    commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
+    watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
+    watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
+    watch.add_argument("--interval", type=_seconds, default=0.5, metavar="S", help="seconds between readings")
+    watch.add_argument("-d", "--device", default=None, help="only this device (e.g. GPU:0)")
+    commands.add_parser("panel", help="the device setup panel")
+    s = commands.add_parser(
+        "setup",
+        help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
+        description="Without options and without a GPU: lab mode, 1024 MB.",
+    )
+    _add_setup_arguments(s)
+
     cell = MagicArgumentParser(
         prog="%tfmem",
         description="Run the cell and report the exact peak and net change of TensorFlow's allocator.",
@@ -126,17 +146,32 @@ def _parsers():
     cell.add_argument("-o", dest="output", action="store_true", help="return the Measurement")
     cell.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
     cell.add_argument("-v", dest="variable", metavar="NAME", help="store the Measurement in NAME")
-    return line, cell
+
+    fresh = MagicArgumentParser(
+        prog="%%tfmem fresh",
+        description="Run the cell in a new Python process set up with these options (none: TensorFlow's "
+                    "defaults); its output is shown here and the names in -r come back.",
+    )
+    fresh.add_argument("mode", choices=["fresh"])
+    _add_setup_arguments(fresh)
+    fresh.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
+                       help="an environment variable for the new process (repeatable)")
+    fresh.add_argument("-r", dest="returns", type=_names, default=[], metavar="NAME,NAME",
+                       help="names the cell defines, brought back into this kernel")
+    fresh.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
+                       help="stop the process after S seconds (default 600)")
+    return line, cell, fresh
 
 
-_LINE_PARSER, _CELL_PARSER = _parsers()
+_LINE_PARSER, _CELL_PARSER, _FRESH_PARSER = _parsers()
+_SETUP_OPTIONS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
 
 
 def _parse(parser: MagicArgumentParser, text: str):
     try:
         return parser.parse_argstring(text)
     except UsageError as exc:
-        magic = "%%tfmem" if parser is _CELL_PARSER else "%tfmem"
+        magic = {id(_LINE_PARSER): "%tfmem", id(_FRESH_PARSER): "%%tfmem fresh"}.get(id(parser), "%%tfmem")
         raise UsageError(f"{magic}: {exc}. See %tfmem? for the options.") from None
 
 
@@ -159,12 +194,7 @@ class TfmemMagics(Magics):
                 from .widgets import SetupPanel
 
                 return SetupPanel()
-            options = {
-                name: getattr(args, name)
-                for name in ("growth", "force_growth", "limit_mb", "split", "gpus",
-                             "allocator", "lab_mb", "reserve_mb", "cpus")
-            }
-            return setup(**options)
+            return setup(**{name: getattr(args, name) for name in _SETUP_OPTIONS})
         except SetupError as exc:
             raise UsageError(str(exc)) from None
 
@@ -179,6 +209,8 @@ class TfmemMagics(Magics):
         return Gauge(interval=args.interval, device=device)
 
     def _cell(self, line: str, cell: str):
+        if line.split(maxsplit=1)[:1] == ["fresh"]:
+            return self._fresh(_parse(_FRESH_PARSER, line), cell)
         args = _parse(_CELL_PARSER, line)
         if args.variable is not None and not args.variable.isidentifier():
             raise UsageError(f"%%tfmem: -v needs a Python name, got {args.variable!r}.")
@@ -238,6 +270,18 @@ class TfmemMagics(Magics):
                 plt.show()
         return result if args.output else None
 
+    def _fresh(self, args, cell: str):
+        from .fresh import FreshRunError, run_fresh
+
+        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        try:
+            run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=args.returns,
+                            timeout=args.timeout)
+        except (SetupError, FreshRunError) as exc:
+            raise UsageError(f"%%tfmem fresh: {exc}") from None
+        self.shell.user_ns.update(run.values)
+        return None
+
 
 def _help() -> str:
     return (
@@ -250,10 +294,14 @@ def _help() -> str:
         "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
-        "                        every allocation of the cell: memory map, peak by op, OOM dump\n\n"
+        "                        every allocation of the cell: memory map, peak by op, OOM dump\n"
+        "%%tfmem fresh [setup options] [--env NAME=VALUE] [-r NAME,NAME] [--timeout S]\n"
+        "                        run the cell in a new process set up this way; bring NAMEs back\n\n"
         + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()
         + "\n"
         + _CELL_PARSER.format_help()
+        + "\n"
+        + _FRESH_PARSER.format_help()
     )
 
 

@@ -1,0 +1,146 @@
+"""%%tfmem fresh / run_fresh: a cell in a new process set up its own way, results brought back;
+and the GPU experiments that the workbook shows live on a GPU or as recorded."""
+
+import json
+import os
+import threading
+
+import pytest
+from IPython.core.error import UsageError
+
+import tfmem_widgets
+from tfmem_widgets import gpu_experiments
+from tfmem_widgets.fresh import FreshRunError, _without_native_logs, run_fresh
+from tfmem_widgets.measure import Measurement
+from tfmem_widgets.runtime import LAB_LIMIT_ENV
+from tfmem_widgets.trace import Trace
+
+FRAGMENTING_OOM = """
+import tensorflow as tf, tfmem_widgets
+try:
+    with tfmem_widgets.trace() as t:
+        ts = [tf.zeros((1 << 19,)) for _ in range(24)]      # 24 x 2 MiB
+        for i in range(0, 24, 2):
+            ts[i] = None
+        big = tf.zeros((4 << 20,))                          # 16 MiB
+except tf.errors.ResourceExhaustedError:
+    pass
+largest = t.map().largest_free_bytes
+"""
+
+
+def test_the_cell_runs_in_its_own_lab_and_its_results_come_back(shell, capsys):
+    shell.run_cell_magic("tfmem", "fresh --lab 64 -r m,peak,limit", """
+import os, tensorflow as tf, tfmem_widgets
+with tfmem_widgets.measure() as m:
+    x = tf.zeros((1 << 20,))
+peak = m.peak_bytes
+limit = os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
+print("child says", peak)
+""")
+    out = capsys.readouterr().out
+    assert "child says 4194560" in out
+    assert shell.user_ns["peak"] == 4194560           # 4 MiB + a 256-byte shape chunk
+    assert shell.user_ns["limit"] == "64"              # the child's lab, not this process's 256
+    assert isinstance(shell.user_ns["m"], Measurement)
+    assert shell.user_ns["m"].lab_limit_bytes == 64 << 20
+    assert os.environ[LAB_LIMIT_ENV] == "256"          # this process's setup is untouched
+
+
+def test_a_traced_oom_comes_back_as_a_trace_with_its_dump():
+    run = run_fresh(FRAGMENTING_OOM, setup={"lab_mb": 64}, returns=["t", "largest"], echo=False)
+    trace = run.values["t"]
+    assert isinstance(trace, Trace)
+    assert trace.oom is not None and "bfc_cpu_allocator_for_gpu" in trace.oom.message
+    assert run.values["largest"] == 12 << 20           # FACTS section 1: the largest hole is 12 MiB
+    assert trace.map().largest_free_bytes == 12 << 20
+
+
+def test_no_setup_means_tensorflow_as_it_starts(shell):
+    shell.run_cell_magic("tfmem", "fresh -r lab", "import os\nlab = os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')")
+    assert shell.user_ns["lab"] is None
+
+
+def test_environment_variables_reach_the_child(shell):
+    shell.run_cell_magic("tfmem", "fresh --env TF_FORCE_GPU_ALLOW_GROWTH=true --env A_B=1=2 -r seen",
+                         "import os\nseen = [os.environ['TF_FORCE_GPU_ALLOW_GROWTH'], os.environ['A_B']]")
+    assert shell.user_ns["seen"] == ["true", "1=2"]
+
+
+def test_a_refused_setup_is_one_line_and_runs_nothing(shell, capsys):
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("tfmem", "fresh --growth -r x", "print('ran'); x = 1")
+    message = str(info.value)
+    assert message.startswith("%%tfmem fresh: ") and "\n" not in message
+    assert "no GPU is visible" in message
+    assert "ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("fresh --env NOEQUALS", "--env: expected NAME=VALUE"),
+    ("fresh -r 1x", "-r: expected Python names"),
+    ("fresh --lab -5", "--lab"),
+    ("fresh --timeout 0", "--timeout: expected between"),
+])
+def test_bad_options_are_one_line(shell, line, expected):
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("tfmem", line, "x = 1")
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_error_in_the_cell_shows_its_traceback_and_fails_the_cell(shell, capsys):
+    with pytest.raises(UsageError, match="raised ZeroDivisionError"):
+        shell.run_cell_magic("tfmem", "fresh", "print('before')\n1 / 0")
+    out = capsys.readouterr().out
+    assert "before" in out and "ZeroDivisionError" in out
+
+
+def test_what_cannot_come_back_is_named(shell, capsys):
+    with pytest.raises(UsageError, match="raised TypeError"):
+        shell.run_cell_magic("tfmem", "fresh -r thing", "thing = object()")
+    assert "cannot bring back thing (object)" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="raised NameError"):
+        shell.run_cell_magic("tfmem", "fresh -r missing", "x = 1")
+
+
+def test_a_process_past_its_timeout_is_stopped_and_nothing_is_left(tmp_path):
+    threads = threading.active_count()
+    marker = tmp_path / "pid"
+    with pytest.raises(FreshRunError, match="ran past 2 s"):
+        run_fresh(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)",
+                  timeout=2, echo=False)
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert threading.active_count() == threads
+
+
+def test_tensorflow_native_log_lines_are_dropped_and_python_text_kept():
+    text = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        "I0000 00:00:1795686225.830646   31869 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.\n",
+        "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow.\n",
+        "2026-11-26 09:43:47.618479: W tensorflow/core/framework/op_kernel.cc:1857] OP_REQUIRES failed\n",
+        "/work/x.py:3: UserWarning: look at this\n",
+        "  warnings.warn('look at this')\n",
+    ]
+    assert _without_native_logs(text) == text[4] + text[5]
+
+
+def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_from():
+    recorded = json.loads(gpu_experiments.RECORDED.read_text())
+    assert set(recorded["experiments"]) == set(gpu_experiments.EXPERIMENTS)
+    env = recorded["environment"]
+    result = gpu_experiments.gpu_result("growth_then_logical", live=False)
+    assert not result.live
+    assert f"recorded on {env['device']}" in repr(result) and env["tensorflow"] in repr(result)
+    assert env["date"] in repr(result)
+    # The figures agree with the text printed next to them: the 1024 MB logical device took
+    # its whole limit although growth was asked.
+    assert result.values["nvml_delta"] >= 1000 << 20
+    with pytest.raises(KeyError, match="no GPU experiment 'nope'"):
+        gpu_experiments.gpu_result("nope")
+
+
+def test_run_fresh_is_exported():
+    assert tfmem_widgets.run_fresh is run_fresh

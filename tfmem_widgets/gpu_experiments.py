@@ -33,6 +33,14 @@ from tfmem_widgets.units import format_bytes as fmt
 def card():
     gpus = nvml.read_gpus()
     return gpus[nvml.nvml_index_for_cuda_ordinal(0, gpus)]
+
+def first_tensor_jump(device="GPU:0"):   # NVML's used memory added by a 1 KiB tensor, devices made first
+    import tensorflow as tf
+    tf.config.list_logical_devices("GPU")
+    before = card().used_bytes
+    with tf.device(device):
+        tf.zeros((256,))
+    return card().used_bytes - before
 """
 
 
@@ -107,12 +115,10 @@ result = {"library": library, "nvml_delta": nvml_after - nvml_before, "tf_delta"
 import tensorflow as tf
 from tensorflow.python.client import device_lib
 limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
-before = card().used_bytes
-x = tf.zeros((256,))                            # 1 KiB
-after = card().used_bytes
+jump = first_tensor_jump()
 print(f"TensorFlow's limit: {fmt(limit)}")
-print(f"a 1 KiB tensor: NVML used +{fmt(after - before)}; TensorFlow's in use {fmt(tf.config.experimental.get_memory_info('GPU:0')['current'])}")
-result = {"limit": limit, "nvml_delta": after - before}
+print(f"a 1 KiB tensor: NVML used +{fmt(jump)}; TensorFlow's in use {fmt(tf.config.experimental.get_memory_info('GPU:0')['current'])}")
+result = {"limit": limit, "nvml_delta": jump}
 """,
     ),
     "growth_regions": Experiment(
@@ -146,10 +152,7 @@ gpu = tf.config.list_physical_devices("GPU")[0]
 tf.config.experimental.set_memory_growth(gpu, True)
 tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
 print("both calls accepted, no error")
-tf.config.list_logical_devices("GPU")
-before = card().used_bytes
-x = tf.zeros((256,))
-jump = card().used_bytes - before
+jump = first_tensor_jump()
 print(f"a 1 KiB tensor: NVML used +{fmt(jump)}: growth was dropped, the logical device took its whole limit")
 result = {"nvml_delta": jump}
 """,
@@ -176,10 +179,7 @@ result = {"error": message}
 import tensorflow as tf
 gpu = tf.config.list_physical_devices("GPU")[0]
 tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
-tf.config.list_logical_devices("GPU")
-before = card().used_bytes
-x = tf.zeros((256,))
-jump = card().used_bytes - before
+jump = first_tensor_jump()
 print(f"a 1 KiB tensor: NVML used +{fmt(jump)}: growth holds, the limit still applies")
 result = {"nvml_delta": jump}
 """,
@@ -214,10 +214,7 @@ logical = [d.name for d in tf.config.list_logical_devices("GPU")]
 print(f"logical GPUs: {', '.join(name.split('device:')[-1] for name in logical)}")
 jumps = []
 for index in range(2):
-    before = card().used_bytes
-    with tf.device(f"GPU:{index}"):
-        tf.zeros((256,))
-    jumps.append(card().used_bytes - before)
+    jumps.append(first_tensor_jump(f"GPU:{index}"))
     print(f"first tensor on GPU:{index}: NVML used +{fmt(jumps[-1])}")
 try:
     with tf.device("GPU:1"):

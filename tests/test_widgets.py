@@ -151,6 +151,10 @@ def test_the_map_viewer_moves_through_a_real_trace(lab_session):
     assert "<b>Fill</b>" in viewer.details.value
     viewer.moment.value = 0
     assert viewer.current_map.event_index == 0
+    # A notebook saved without widget state keeps the whole text form, not ipywidgets' first
+    # 110 characters.
+    text = viewer._repr_mimebundle_()["text/plain"]
+    assert len(text) > 110 and text == repr(viewer) and "region(s)" in text
     del parts
 
 

@@ -15,6 +15,7 @@ import ipywidgets as w
 
 from ..sampler import DEFAULT_INTERVAL, Sample, read_sample, sampler
 from ..units import format_bytes
+from .text_form import FullTextForm
 
 _HISTORY = 120  # samples kept for the sparkline
 _SPARK_EVERY = 0.5  # seconds between redraws of the sparkline
@@ -38,7 +39,7 @@ def _sparkline(values: list[int], width: int = 240, height: int = 36) -> str:
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/></svg>')
 
 
-class Gauge(w.VBox):
+class Gauge(FullTextForm, w.VBox):
     """Per device: TensorFlow's in use and peak against its limit, the card (NVML), the host.
 
     >>> tfmem_widgets.Gauge(interval=0.5)      # or %tfmem watch

@@ -14,6 +14,7 @@ import ipywidgets as w
 
 from ..allocator_map import AllocatorMap
 from ..units import format_bytes
+from .text_form import FullTextForm
 
 _WIDTH = 760
 _ROW = 22
@@ -70,7 +71,7 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
     return "".join(parts)
 
 
-class MapViewer(w.VBox):
+class MapViewer(FullTextForm, w.VBox):
     """A trace's allocator map with a time slider, the peak and the OOM one click away.
 
     >>> tfmem_widgets.MapViewer(trace)     # %%tfmem trace shows one

@@ -15,11 +15,12 @@ from ..errors import SetupError
 from ..plan import DEFAULT_LAB_MB, SetupRequest, plan_setup
 from ..runtime import lab_limit_bytes
 from ..units import MiB
+from .text_form import FullTextForm
 
 _AS_IS = "as it is"
 
 
-class SetupPanel(w.VBox):
+class SetupPanel(FullTextForm, w.VBox):
     """Choose GPUs, growth, limits, logical devices, allocator and lab mode; Apply.
 
     >>> tfmem_widgets.SetupPanel()      # or %tfmem panel

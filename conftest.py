@@ -8,22 +8,10 @@ Python's own stderr (warnings, tracebacks) is still captured and compared.
 """
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
-_KERNEL_CONFIG = "c.IPKernelApp.capture_fd_output = False\n"
-
-
-def quiet_kernel_environment() -> dict:
-    """Environment variables for kernels that do not forward fd 2 into notebooks."""
-    ipython_dir = Path(tempfile.mkdtemp(prefix="tfmem-ipython-"))
-    profile = ipython_dir / "profile_default"
-    profile.mkdir()
-    (profile / "ipython_kernel_config.py").write_text(_KERNEL_CONFIG)
-    return {"IPYTHONDIR": str(ipython_dir), "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
-
+from dev import quiet_kernel_environment
 
 # nbval's kernels and the tests' fresh processes inherit this process's environment.
 os.environ.update(quiet_kernel_environment())

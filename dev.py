@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -52,11 +53,28 @@ def ensure_environment(extras: list[str]) -> None:
     _run(PYTHON, "-m", "pip", "install", "--quiet", "-e", f".[{','.join(extras)}]")
 
 
+# TensorFlow's C++ start-up lines ("Could not find cuda drivers...", timestamps, process ids) and
+# the profiler's session lines go to file descriptor 2, before or beside its log level, and
+# ipykernel forwards fd 2 into the notebook. The workbook's kernels leave fd 2 to the terminal, so
+# a reader sees what the stored notebooks show; Python's own stderr (warnings, tracebacks) stays.
+KERNEL_CONFIG = "c.IPKernelApp.capture_fd_output = False\n"
+
+
+def quiet_kernel_environment(ipython_dir: Path | None = None, tf_log_level: str | None = "3") -> dict:
+    """Environment variables for kernels that leave fd 2 to the terminal (an IPython profile in
+    `ipython_dir`, a new temporary one by default); `tf_log_level` for TF_CPP_MIN_LOG_LEVEL."""
+    ipython_dir = Path(tempfile.mkdtemp(prefix="tfmem-ipython-")) if ipython_dir is None else ipython_dir
+    profile = ipython_dir / "profile_default"
+    profile.mkdir(parents=True, exist_ok=True)
+    (profile / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
+    env = {"IPYTHONDIR": str(ipython_dir)}
+    if tf_log_level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", tf_log_level)
+    return env
+
+
 def record_notebooks(paths: list[str]) -> int:
     """Execute notebooks in place with the same kernel settings as the nbval tests."""
-    sys.path.insert(0, str(ROOT))
-    from conftest import quiet_kernel_environment
-
     env = {**os.environ, **quiet_kernel_environment()}
     notebooks = paths or sorted(str(p) for p in (ROOT / "notebooks").glob("*.ipynb"))
     for notebook in notebooks:
@@ -78,9 +96,11 @@ def main(argv: list[str]) -> int:
         ensure_environment(["lab"])
         # Containers and CI often run as root, which JupyterLab refuses unless told.
         as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        # TensorFlow's native log lines go to this terminal, not into the notebooks.
+        env = {**os.environ, **quiet_kernel_environment(VENV / "ipython", tf_log_level=None)}
         return subprocess.run(
             [str(PYTHON), "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks"), *as_root, *rest],
-            cwd=ROOT,
+            cwd=ROOT, env=env,
         ).returncode
     if command == "bench":
         ensure_environment(["bench"])

@@ -20,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import SetupError
 from .runtime import SETUP_ENV_VARS

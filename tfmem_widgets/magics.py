@@ -280,7 +280,6 @@ class TfmemMagics(Magics):
         except (SetupError, FreshRunError) as exc:
             raise UsageError(f"%%tfmem fresh: {exc}") from None
         self.shell.user_ns.update(run.values)
-        return None
 
 
 def _help() -> str:

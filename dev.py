@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
         ).returncode
     if command == "bench":
         ensure_environment(["bench"])
-        for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # _*.py: shared by the scripts
             print(f"== {script.name}", flush=True)
             code = subprocess.run([str(PYTHON), str(script), *rest], cwd=ROOT).returncode
             if code:

@@ -17,18 +17,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from _workloads import keras_classifier
+
 ROOT = Path(__file__).resolve().parents[1]
 
-SETUP = """
-import time, numpy as np, tfmem_widgets
-tfmem_widgets.setup(lab_mb=1024)
-import tensorflow as tf
+SETUP = keras_classifier(lab_mb=1024, width=256, rows=131072) + """
+import time
 from tfmem_widgets import Gauge
-model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(256, activation="relu"),
-                             tf.keras.layers.Dense(256, activation="relu"), tf.keras.layers.Dense(10)])
-model.compile("adam", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-x = np.random.default_rng(0).normal(size=(131072, 64)).astype("float32")
-y = np.random.default_rng(1).integers(0, 10, size=131072)
 model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
 
 from tfmem_widgets.sampler import sampler

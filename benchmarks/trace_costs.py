@@ -25,6 +25,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from _workloads import keras_classifier
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,21 +40,14 @@ def run(code: str, **env) -> dict:
 
 
 def record_keras(workdir: Path) -> dict:
-    return run(f"""
-        import json, numpy as np, tfmem_widgets
-        tfmem_widgets.setup(lab_mb=2048)
-        import tensorflow as tf
-        model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(512, activation="relu"),
-                                     tf.keras.layers.Dense(512, activation="relu"), tf.keras.layers.Dense(10)])
-        model.compile("adam", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x = np.random.default_rng(0).normal(size=(640, 64)).astype("float32")
-        y = np.random.default_rng(1).integers(0, 10, size=640)
+    return run(keras_classifier(lab_mb=2048, width=512, rows=640) + textwrap.dedent(f"""
+        import json
         with tfmem_widgets.trace(keep={str(workdir / 'keras')!r}) as t:
             model.fit(x, y, batch_size=64, epochs=1, verbose=0)    # 10 steps
         path = __import__("glob").glob({str(workdir / 'keras')!r} + "/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
                           "events": sum(len(t.events(a)) for a in t.allocators)}}))
-    """)
+    """))
 
 
 def memory_of_reading(path: str) -> dict:
@@ -147,7 +142,7 @@ def time_render(path: str, chunks: int) -> dict:
         from tfmem_widgets.xplane import read_xspace
         events = read_xspace(open({path!r}, "rb").read())["bfc_cpu_allocator_for_gpu"]
         allocs = np.cumsum(events.kind > 0)
-        stop = int(np.searchsorted(allocs, {chunks})) + 1
+        stop = min(int(np.searchsorted(allocs, {chunks})) + 1, len(events))   # fewer with a small --steps
         t = Trace({{"bfc_cpu_allocator_for_gpu": events.slice(stop)}}, fresh=True, growth={{}})
         times = []
         for _ in range(3):

@@ -144,3 +144,21 @@ def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_fro
 
 def test_run_fresh_is_exported():
     assert tfmem_widgets.run_fresh is run_fresh
+
+
+def test_the_child_keeps_the_kernels_module_path_and_adds_to_it(tmp_path, monkeypatch, shell):
+    # Where TensorFlow itself comes from PYTHONPATH (environment modules on a cluster), a
+    # PYTHONPATH for the child must add to the kernel's, never replace it.
+    inherited, added, by_path = (tmp_path / name for name in ("inherited", "added", "by_path"))
+    for folder, module in ((inherited, "from_the_kernel"), (added, "from_env"), (by_path, "from_path")):
+        folder.mkdir()
+        (folder / f"{module}.py").write_text(f"WHERE = {module!r}\n")
+    monkeypatch.setenv("PYTHONPATH", str(inherited))
+    shell.run_cell_magic("tfmem", f"fresh --env PYTHONPATH={added} --path {by_path} -r found", """
+import from_the_kernel, from_env, from_path
+found = [from_the_kernel.WHERE, from_env.WHERE, from_path.WHERE]
+""")
+    assert shell.user_ns["found"] == ["from_the_kernel", "from_env", "from_path"]
+    run = run_fresh("import from_the_kernel, from_env\nfound = 2", env={"PYTHONPATH": str(added)},
+                    returns=["found"], echo=False)
+    assert run.values["found"] == 2

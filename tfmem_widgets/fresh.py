@@ -55,15 +55,23 @@ class FreshRun:
         return f"FreshRun(exit {self.returncode}, returned {names})"
 
 
-def child_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without its setup variables, plus `env`: a fresh start."""
+def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] = ()) -> dict[str, str]:
+    """This process's environment without its setup variables, plus `env`: a fresh start.
+
+    The module path only grows: the folders in `path` and any PYTHONPATH in `env` come first,
+    then this package's location, then this process's own PYTHONPATH (where a cluster's
+    environment modules or a carried install put TensorFlow), so nothing the user had is lost.
+    """
     child = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
-    child.update({str(k): str(v) for k, v in (env or {}).items()})
+    extra = {str(k): str(v) for k, v in (env or {}).items()}
+    added = [str(folder) for folder in path] + extra.pop("PYTHONPATH", "").split(os.pathsep)
+    child.update(extra)
     child["PYTHONUNBUFFERED"] = "1"  # lines appear as the child prints them
     # The child imports this package from wherever this process does (an editable
     # install, or a checkout on sys.path).
     here = str(Path(__file__).resolve().parent.parent)
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (here, child.get("PYTHONPATH", "")) if p)
+    folders = [*added, here, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    child["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(f for f in folders if f))
     return child
 
 
@@ -89,14 +97,17 @@ def run_fresh(
     returns: Sequence[str] = (),
     timeout: float | None = 600,
     echo: bool = True,
+    path: Sequence[str] = (),
 ) -> FreshRun:
     """Run `code` (a cell: Python with %magics) in a new Python process and return its results.
 
     setup:   keyword arguments for tfmem_widgets.setup() in the child, before the code runs
              (None: no setup, TensorFlow as it starts by default)
-    env:     environment variables for the child (e.g. {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
+    env:     environment variables for the child (e.g. {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}); a
+             PYTHONPATH here is added in front of this process's, never replaces it
     returns: names the code defines, brought back as FreshRun.values
     echo:    print the child's output here as it comes
+    path:    folders to import from first in the child (e.g. where a module of the notebook's is)
 
     Raises SetupError when the child refuses the setup, FreshRunError when the code raises
     or the process dies or runs past `timeout` seconds (it is then killed).
@@ -115,7 +126,7 @@ def run_fresh(
         with open(work_dir / "stderr.txt", "w+") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_environment(env),
+                stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_environment(env, path),
             )
             timer = threading.Timer(timeout, proc.kill) if timeout else None
             output: list[str] = []

@@ -156,6 +156,9 @@ def _parsers():
     _add_setup_arguments(fresh)
     fresh.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
                        help="an environment variable for the new process (repeatable)")
+    fresh.add_argument("--path", action="append", default=[], metavar="DIR",
+                       help="a folder to import from first in the new process (repeatable); the kernel's "
+                            "PYTHONPATH is kept, and a PYTHONPATH given with --env adds to it")
     fresh.add_argument("-r", dest="returns", type=_names, default=[], metavar="NAME,NAME",
                        help="names the cell defines, brought back into this kernel")
     fresh.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
@@ -276,7 +279,7 @@ class TfmemMagics(Magics):
         options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
         try:
             run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=args.returns,
-                            timeout=args.timeout)
+                            timeout=args.timeout, path=args.path)
         except (SetupError, FreshRunError) as exc:
             raise UsageError(f"%%tfmem fresh: {exc}") from None
         self.shell.user_ns.update(run.values)
@@ -294,7 +297,7 @@ def _help() -> str:
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
         "                        every allocation of the cell: memory map, peak by op, OOM dump\n"
-        "%%tfmem fresh [setup options] [--env NAME=VALUE] [-r NAME,NAME] [--timeout S]\n"
+        "%%tfmem fresh [setup options] [--env NAME=VALUE] [--path DIR] [-r NAME,NAME] [--timeout S]\n"
         "                        run the cell in a new process set up this way; bring NAMEs back\n\n"
         + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()
         + "\n"

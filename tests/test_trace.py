@@ -8,7 +8,10 @@ import pytest
 
 import tfmem_widgets
 from tfmem_widgets import Trace, TraceDataError, trace
+from tfmem_widgets.units import format_bytes
 from tfmem_widgets.xplane import read_xspace
+
+from conftest import finish_fresh, start_fresh
 
 matplotlib.use("Agg")
 MiB = 1 << 20
@@ -40,7 +43,19 @@ def test_a_trace_records_each_chunk_with_its_op_and_the_memory_from_before(lab_s
     assert not m.complete and m.before_trace_bytes == before
     assert m.in_use_bytes == after
     assert m.by_op()["AddV2"] == 2 * MiB
+    # The tensors' own bytes, and those of one op: the Fill freed in the block, the add kept.
+    held = e.held_bytes(1024)
+    assert held.max() == 4 * MiB and held[-1] == 2 * MiB
+    assert e.held_bytes(1024, ops=lambda op: op == "AddV2").tolist()[-1] == 2 * MiB
+    assert e.held_bytes(1024, ops=lambda op: op == "Fill")[-1] == 0
     assert "traced after earlier work" in repr(t)
+    # Its map states what the trace knows and nothing it does not: no regions, holes or pool.
+    text = repr(m)
+    traced = sum(c.size for c in m.chunks if c.in_use)
+    assert f"in use {format_bytes(after)}: {format_bytes(traced)} in 1 chunk(s) made during the trace" in text
+    assert f"+ {format_bytes(before)} from before it" in text
+    assert "region(s)" not in text and "largest free" not in text and "pool" not in text
+    assert f"TensorFlow's own fragmentation figure {m.reported_fragmentation:.4f}" in text
     del y, earlier
 
 
@@ -205,3 +220,38 @@ def test_an_oom_in_a_traced_cell_is_reported_with_the_map_and_the_shell_goes_on(
     assert "OOM in bfc_cpu_allocator_for_gpu" in out and "failed request: 300.00 MiB" in out
     assert t.map().source == "dump"
     assert shell.run_cell("2 + 2").result == 4
+
+
+SCRATCH_STEP = """
+import json, tfmem_widgets
+tfmem_widgets.setup(lab_mb=256)
+import tensorflow as tf
+x = tf.cast(tf.random.stateless_normal((2048, 128), seed=(1, 2)), tf.float16)
+w = tf.Variable(tf.cast(tf.random.stateless_normal((128, 512), seed=(3, 4)), tf.float16))
+b = tf.Variable(tf.zeros((512,), tf.float16))
+def step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.nn.relu(x @ w + b))
+    return tape.gradient(loss, [w, b])
+step()
+with tfmem_widgets.measure() as m, tfmem_widgets.trace() as t:
+    g = step()
+e = t.events()
+print(json.dumps({"tensors": int(e.held_bytes(1024, scratch=False).max()),
+                  "net": int(e.held_bytes(1024, scratch=False)[-1]),
+                  "scratch": int((e.held_bytes(1024) - e.held_bytes(1024, scratch=False)).max()),
+                  "allocator": m.peak_bytes}))
+"""
+
+
+def test_leaving_out_kernel_scratch_gives_the_same_figures_whatever_kernels_run():
+    # A float16 step through oneDNN's kernels and through Eigen's: their scratch differs, the
+    # tensors the program makes do not.
+    onednn = start_fresh(SCRATCH_STEP)
+    eigen = finish_fresh(start_fresh(SCRATCH_STEP, env={"TF_ENABLE_ONEDNN_OPTS": "0"}))
+    onednn = finish_fresh(onednn)
+    # What the step leaves is its two gradients, the bias's included: a reduction hands its temp on
+    # as its output, which outlives the op and is no scratch.
+    assert onednn["tensors"] == eigen["tensors"] and onednn["net"] == eigen["net"] == (128 * 512 + 512) * 2
+    assert eigen["scratch"] >= 2048 * 128 * 4            # Eigen computes float16 through float32 scratch
+    assert eigen["allocator"] != onednn["allocator"]      # which the allocator's own peak includes

@@ -140,7 +140,31 @@ class AllocatorMap:
             cells.append("|")
         return "".join(cells[:-1])
 
+    def _partial_lines(self) -> list[str]:
+        """What a trace that began after earlier work knows: the chunks it saw made and freed,
+        the total from before it, TensorFlow's own figures; nothing about regions or holes."""
+        traced = [c for c in self.chunks if c.in_use]
+        seen_free = [c for c in self.chunks if not c.in_use]
+        lines = [
+            f"AllocatorMap {self.allocator} ({self.source}, partial): regions and holes unknown",
+            f"  in use {format_bytes(self.in_use_bytes)}: {format_bytes(sum(c.size for c in traced))} in "
+            f"{len(traced)} chunk(s) made during the trace + {format_bytes(self.before_trace_bytes)} from before it",
+        ]
+        if seen_free:
+            lines.append(f"  freed during the trace and still free: {len(seen_free)} chunk(s), "
+                         f"{format_bytes(sum(c.size for c in seen_free))}")
+        figures = []
+        if self.limit_bytes is not None:
+            figures.append(f"limit {format_bytes(self.limit_bytes)}")
+        if self.reported_fragmentation is not None:
+            figures.append(f"TensorFlow's own fragmentation figure {self.reported_fragmentation:.4f}")
+        if figures:
+            lines.append("  " + "; ".join(figures))
+        return lines + [f"  note: {n}" for n in self.notes]
+
     def __repr__(self) -> str:
+        if not self.complete and not self.regions:
+            return "\n".join(self._partial_lines())
         frag = self.fragmentation
         frag_text = "-" if frag is None else ("n/a (no free bytes)" if frag != frag else f"{frag:.4f}")
         lines = [

@@ -10,6 +10,7 @@ no TensorBoard or XProf needed.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +90,56 @@ class AllocatorEvents:
 
     def text(self, column: np.ndarray, index: int) -> str:
         return self.texts[int(column[index])]
+
+    def held_bytes(self, min_bytes: int = 0, scratch: bool = True,
+                   ops: Callable[[str], bool] | None = None) -> np.ndarray:
+        """The bytes tensors held after each event, as they asked for them (not whole chunks),
+        counted from 0 before the first event: ``.max()`` is the block's peak, ``[-1]`` its net.
+
+        min_bytes: leave out tensors smaller than this (TensorFlow's own shapes and scalars).
+        scratch=False: leave out kernels' scratch (see ``scratch_mask``), whose sizes depend on
+        the kernel the processor or GPU gets, not on the program: without it the figures are
+        the same on every machine.
+        ops: count only tensors made by ops whose name passes this test, e.g.
+        ``lambda op: "replica_1/" in op`` for one replica of a strategy on a shared allocator.
+        """
+        counted = self.requested >= min_bytes
+        if scratch and ops is None:
+            return np.cumsum(np.where(counted, self.kind.astype(np.int64) * self.requested, 0))
+        if not scratch:
+            counted &= ~self.scratch_mask()
+        chosen = {k: ops(text) for k, text in enumerate(self.texts)} if ops is not None else None
+        alive: dict[int, bool] = {}  # address -> whether its allocation is counted
+        keep = []
+        for kind, address, op, count in zip(self.kind.tolist(), self.address.tolist(), self.op.tolist(),
+                                            counted.tolist()):
+            if kind > 0:
+                alive[address] = keep_it = count and (chosen is None or chosen[op])
+            else:  # a free counts as its allocation did; one from before the trace by its size alone
+                keep_it = alive.pop(address, count and chosen is None)
+            keep.append(keep_it)
+        return np.cumsum(np.where(np.array(keep, dtype=bool), self.kind.astype(np.int64) * self.requested, 0))
+
+    def scratch_mask(self) -> np.ndarray:
+        """Which allocations are a kernel's scratch: 'temp' allocations (TensorFlow's name for
+        memory an op asks for besides its outputs) freed before any other op allocates, that is,
+        inside the op that made them. A temp an op hands on as its output outlives the op and
+        is not scratch. Allocations only; frees are False."""
+        temp = self.texts.index("temp") if "temp" in self.texts else -1
+        mask = np.zeros(len(self), dtype=bool)
+        if temp < 0:
+            return mask
+        open_temps: dict[int, tuple[int, int]] = {}  # address -> (event, op) of a temp not yet freed
+        for i, (kind, address, op, region) in enumerate(zip(self.kind.tolist(), self.address.tolist(),
+                                                            self.op.tolist(), self.region.tolist())):
+            if kind > 0:
+                for stale in [a for a, (_, other) in open_temps.items() if other != op]:
+                    del open_temps[stale]  # another op allocates: that temp outlived its op
+                if region == temp:
+                    open_temps[address] = (i, op)
+            elif address in open_temps:
+                mask[open_temps.pop(address)[0]] = True
+        return mask
 
     def slice(self, stop: int) -> "AllocatorEvents":
         """The first `stop` events."""

@@ -227,6 +227,21 @@ def _gap(gpu: PhysicalGpu, memory: nvml.GpuMemory | None, limit: int | None, pid
     return tuple(items)
 
 
+def _unused_gpus_note(readings: list[nvml.GpuMemory], gpus: list[PhysicalGpu]) -> str:
+    """One line for a machine whose driver sees GPUs that TensorFlow does not use, and why."""
+    names = ", ".join(sorted({g.name for g in readings}))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus:
+        why = "setup hid them (--gpus none / tf.config.set_visible_devices)"
+    elif visible is not None and visible.strip() in ("", "-1"):
+        why = f"CUDA_VISIBLE_DEVICES={visible!r} hides them from TensorFlow"
+    elif not tensorflow().test.is_built_with_cuda():
+        why = "this TensorFlow has no GPU support (install tensorflow[and-cuda] for it)"
+    else:
+        why = "TensorFlow found no usable GPU: its CUDA libraries did not load (see its start-up log)"
+    return f"NVML sees {len(readings)} GPU(s) ({names}), none in use by TensorFlow here: {why}"
+
+
 def report() -> MemoryReport:
     """Read every figure now. Never starts TensorFlow's runtime.
 
@@ -267,6 +282,8 @@ def report() -> MemoryReport:
                 gap=_gap(gpu, memory, limit, pid),
             )
         )
+    if readings and not sections:
+        nvml_note = _unused_gpus_note(readings, gpus)
     return MemoryReport(
         tensorflow_version=tf.__version__,
         runtime_started=started,

@@ -90,7 +90,12 @@ class Gauge(FullTextForm, w.VBox):
                 self._apply(sample)
 
     def _main_device(self, sample: Sample):
-        return next((d for d in sample.devices if self.device is None or d.name == self.device), None)
+        """The device the sparkline and `readings` follow: the one asked for, else the first GPU
+        with figures, else the first device with figures (lab mode's CPU)."""
+        if self.device is not None:
+            return next((d for d in sample.devices if d.name == self.device), None)
+        with_figures = [d for d in sample.devices if d.in_use_bytes is not None]
+        return next((d for d in with_figures if d.name.startswith("GPU")), with_figures[0] if with_figures else None)
 
     def _device_row(self, name: str) -> dict[str, w.Widget]:
         """The widgets of one row, made once: later samples only assign their traits."""
@@ -114,7 +119,7 @@ class Gauge(FullTextForm, w.VBox):
                 if not sample.runtime_started else "no TensorFlow device matches"
             )
             children.append(self._status)
-        main = None
+        main = self._main_device(sample)
         for d in devices:
             row = self._device_row(d.name)
             limit = d.limit_bytes or max(d.peak_bytes or 0, 1)
@@ -126,8 +131,6 @@ class Gauge(FullTextForm, w.VBox):
                 f"peak {format_bytes(d.peak_bytes)}, limit {format_bytes(d.limit_bytes)}"
             )
             children += [row["line"], row["peak"]]
-            if main is None:
-                main = d
         for gpu in sample.gpus:
             row = self._device_row(f"card {gpu.index}")
             row["in_use"].description = f"GPU {gpu.index} (NVML)"
@@ -150,6 +153,12 @@ class Gauge(FullTextForm, w.VBox):
             children.append(self._spark_line)
         if tuple(self.children) != tuple(children):
             self.children = children
+
+    @property
+    def readings(self) -> list[int]:
+        """The recent in-use readings (bytes, oldest first) of the device the sparkline follows."""
+        with self._lock:
+            return list(self._history)
 
     # -- lifetime -------------------------------------------------------------------------
     @property

@@ -60,14 +60,23 @@ def ensure_environment(extras: list[str]) -> None:
 KERNEL_CONFIG = "c.IPKernelApp.capture_fd_output = False\n"
 
 
+# Lab mode's regions come from the C library's malloc, and their addresses decide which of two
+# equal free chunks the allocator picks. glibc serves large blocks from the heap or from mmap by a
+# threshold it raises as the process frees large blocks, so the same notebook laid its pool out
+# differently on two machines. A fixed threshold (glibc's own starting value) gives every region
+# its own mmap, in the same order everywhere: the workbook's maps are the same on every machine.
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def quiet_kernel_environment(ipython_dir: Path | None = None, tf_log_level: str | None = "3") -> dict:
-    """Environment variables for kernels that leave fd 2 to the terminal (an IPython profile in
-    `ipython_dir`, a new temporary one by default); `tf_log_level` for TF_CPP_MIN_LOG_LEVEL."""
+    """Environment variables for the workbook's kernels: fd 2 left to the terminal (an IPython
+    profile in `ipython_dir`, a new temporary one by default), `tf_log_level` for
+    TF_CPP_MIN_LOG_LEVEL, and the fixed malloc threshold above."""
     ipython_dir = Path(tempfile.mkdtemp(prefix="tfmem-ipython-")) if ipython_dir is None else ipython_dir
     profile = ipython_dir / "profile_default"
     profile.mkdir(parents=True, exist_ok=True)
     (profile / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
-    env = {"IPYTHONDIR": str(ipython_dir)}
+    env = {"IPYTHONDIR": str(ipython_dir), **MALLOC_ENVIRONMENT}
     if tf_log_level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", tf_log_level)
     return env
@@ -113,7 +122,8 @@ def main(argv: list[str]) -> int:
     ensure_environment(["test"])
     if command == "record":
         return record_notebooks(rest)
-    code = subprocess.run([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT).returncode
+    code = subprocess.run([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT,
+                          env={**os.environ, **MALLOC_ENVIRONMENT}).returncode
     if code == 5:  # pytest: no tests were collected, which must never pass
         print("dev.py: pytest collected no tests", file=sys.stderr)
         return 1

@@ -138,6 +138,25 @@ def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_fro
     # The figures agree with the text printed next to them: the 1024 MB logical device took
     # its whole limit although growth was asked.
     assert result.values["nvml_delta"] >= 1000 << 20
+    # The label says which GPU math libraries were real when it was recorded.
+    libraries = env["libraries"]
+    assert set(libraries) == {"cuBLAS", "cuFFT", "cuSOLVER", "cuSPARSE", "cuDNN"}
+    assert set(libraries.values()) <= {"real", "stand-in", "not loaded"}
+    assert gpu_experiments._libraries_label(libraries) in repr(result)
+    assert gpu_experiments._libraries_label({"cuBLAS": "real", "cuFFT": "stand-in", "cuSOLVER": "stand-in",
+                                             "cuDNN": "not loaded"}) == (
+        "cuBLAS real; cuFFT, cuSOLVER empty stand-ins; cuDNN not loaded")
+    # The later experiments' figures agree with what they print: a second process gets free memory
+    # minus the low-memory reserve; limits adding up past the card are accepted and the second
+    # logical device runs out below its own; an empty region goes back before an OOM, not at del.
+    second = gpu_experiments.gpu_result("second_process", live=False).values
+    assert abs(second["free"] - second["limit"] - second["reserve"]) <= 4 << 20
+    assert second["outcomes"] == {"a 1 KiB tensor": "fitted", "half its limit": "fitted", "twice its limit": "OOM"}
+    cap = gpu_experiments.gpu_result("logical_cap", live=False).values
+    assert 2 * (cap["limit_mb"] << 20) > cap["free"] and cap["second_bytes"] < cap["limit_mb"] << 20 and cap["oom"]
+    collected = gpu_experiments.gpu_result("garbage_collection", live=False).values
+    assert collected["after_del"] == collected["with_first"] and collected["with_second"] < collected["with_first"] + (3500 << 20)
+    assert collected["without_gc"] == "OOM"
     with pytest.raises(KeyError, match="no GPU experiment 'nope'"):
         gpu_experiments.gpu_result("nope")
 

@@ -231,6 +231,137 @@ result = {"logical": logical, "nvml_jumps": jumps, "oom": oom}
 """,
         setup={"split": [1024, 512]},
     ),
+    "second_process": Experiment(
+        "A second process on a GPU that the first one preallocated",
+        """
+import tensorflow as tf
+import tfmem_widgets
+from tensorflow.python.client import device_lib
+first_limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+jump = first_tensor_jump()                      # no growth: the first tensor takes the whole limit
+print(f"first process: limit {fmt(first_limit)}; its first tensor took {fmt(jump)}; the card has {fmt(card().free_bytes)} free")
+second = tfmem_widgets.run_fresh('''
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+from tfmem_widgets import nvml
+from tfmem_widgets.default_limit import system_reserve
+def card():
+    gpus = nvml.read_gpus()
+    return gpus[nvml.nvml_index_for_cuda_ordinal(0, gpus)]
+limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+free = card().free_bytes                        # after this process's CUDA context
+major = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])["compute_capability"][0]
+reserve, why = system_reserve(free, major)
+outcomes = {}
+for label, floats in (("a 1 KiB tensor", 256), ("half its limit", limit // 8), ("twice its limit", limit // 2)):
+    try:
+        kept = tf.zeros((floats,))
+        outcomes[label] = "fitted"
+        del kept
+    except tf.errors.ResourceExhaustedError:
+        outcomes[label] = "OOM"
+''', returns=["limit", "free", "reserve", "why", "outcomes"], echo=False).values
+print(f"second process: it read {fmt(second['free'])} free and took a limit of {fmt(second['limit'])}: "
+      f"free - limit = {fmt(second['free'] - second['limit'])} ({second['why']})")
+for label, outcome in second["outcomes"].items():
+    print(f"second process, {label}: {outcome}")
+result = {"first_limit": first_limit, "first_jump": jump, **second}
+""",
+    ),
+    "logical_cap": Experiment(
+        "Two logical GPUs whose limits add up past the card, growth forced: a limit caps, it reserves nothing",
+        """
+import re
+import tensorflow as tf
+gpu = tf.config.list_physical_devices("GPU")[0]
+free = card().free_bytes
+share_mb = int(free * 0.6) >> 20                # each limit 60% of the free memory: together past the card
+tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=share_mb)] * 2)
+tf.config.list_logical_devices("GPU")
+print(f"two logical GPUs with limits of {share_mb:,} MB each on a card with {fmt(free)} free: accepted, no error")
+first_bytes = (free // 2 + (4 << 30)) // 256 * 256   # past half the card, within GPU:0's limit
+with tf.device("GPU:0"):
+    first = tf.zeros((first_bytes // 4,))
+print(f"GPU:0 keeps {fmt(first_bytes)}, within its limit; the card has {fmt(card().free_bytes)} free")
+second_bytes = free // 2 // 256 * 256           # half the card, within GPU:1's limit
+try:
+    with tf.device("GPU:1"):
+        second = tf.zeros((second_bytes // 4,))
+    oom = None
+except tf.errors.ResourceExhaustedError as error:
+    oom = re.search(r"OOM when allocating tensor with shape\\[\\d+\\].*? by allocator \\S+", str(error)).group(0)
+print(f"GPU:1 asks for {fmt(second_bytes)}, under its limit of {share_mb:,} MB: {'OOM: ' + oom if oom else 'fitted'}")
+result = {"free": free, "limit_mb": share_mb, "first_bytes": first_bytes, "second_bytes": second_bytes, "oom": oom}
+""",
+        env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+    ),
+    "garbage_collection": Experiment(
+        "Empty regions given back, only when an allocation would otherwise fail",
+        """
+import tensorflow as tf
+import tfmem_widgets
+tf.config.list_logical_devices("GPU")
+start = card().used_bytes
+def used():
+    return card().used_bytes - start
+x = tf.zeros((1000 << 18,))                     # 1000 MiB: a region of its own
+with_x = used()
+del x
+gc.collect()
+after_del = used()
+y = tf.zeros((3500 << 18,))                     # 3500 MiB: no room under the 4096 MB limit beside that region
+with_y = used()
+print(f"keep 1000 MiB: NVML used +{fmt(with_x)}; after del and gc.collect(): +{fmt(after_del)} (nothing given back)")
+print(f"then 3500 MiB under the 4096 MB limit: fitted; NVML used +{fmt(with_y)}")
+without = tfmem_widgets.run_fresh('''
+import gc, tensorflow as tf
+x = tf.zeros((1000 << 18,))
+del x
+gc.collect()
+try:
+    y = tf.zeros((3500 << 18,))
+    outcome = "fitted"
+except tf.errors.ResourceExhaustedError:
+    outcome = "OOM"
+''', setup={"limit_mb": 4096, "force_growth": True}, env={"TF_ENABLE_GPU_GARBAGE_COLLECTION": "false"},
+   returns=["outcome"], echo=False).values["outcome"]
+print(f"the same with TF_ENABLE_GPU_GARBAGE_COLLECTION=false: {without}")
+result = {"with_first": with_x, "after_del": after_del, "with_second": with_y, "without_gc": without}
+""",
+        setup={"limit_mb": 4096, "force_growth": True},
+    ),
+    "clear_session": Experiment(
+        "What keras.backend.clear_session() gives back",
+        """
+import keras
+import tensorflow as tf
+tf.config.list_logical_devices("GPU")
+rows = []
+def row(label):
+    rows.append((label, tf.config.experimental.get_memory_info("GPU:0")["current"], card().used_bytes))
+    print(f"{label:<44} TensorFlow's in use {fmt(rows[-1][1]):>11}   NVML used {fmt(rows[-1][2]):>11}")
+row("start")
+model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096), keras.layers.Dense(4096)])
+model.compile(optimizer="adam", loss="mse")
+data = tf.ones((1024, 4096))
+model.fit(data, data, epochs=1, verbose=0)
+row("after one fit (weights, Adam's slots, data)")
+keras.backend.clear_session()
+gc.collect()
+row("clear_session() with `model` still named")
+del model
+gc.collect()
+row("del model, gc.collect()")
+keras.backend.clear_session()
+gc.collect()
+row("clear_session() again")
+del data
+gc.collect()
+row("del data, gc.collect()")
+result = {"rows": rows}
+""",
+        setup={"growth": True},
+    ),
     "mirrored": Experiment(
         "MirroredStrategy over two logical GPUs: one copy of every variable per replica",
         """
@@ -303,15 +434,53 @@ def run_experiment(name: str, echo: bool = False) -> tuple[str, dict]:
     return run.output, run.values["result"]
 
 
-def _environment_label() -> dict:
+# Which GPU math libraries TensorFlow loaded, and whether each is the real one: a stand-in (an
+# empty library of the same name) loads but lacks the library's functions. Read in a process that
+# made the GPU device and ran a matmul, from the files mapped into it.
+_LIBRARIES_CODE = """
+import ctypes, tensorflow as tf
+tf.config.list_logical_devices("GPU")
+a = tf.ones((64, 64))
+_ = (a @ a).numpy()
+symbols = {"cuBLAS": ("libcublas.so", "cublasCreate_v2"), "cuFFT": ("libcufft.so", "cufftPlan1d"),
+           "cuSOLVER": ("libcusolver.so", "cusolverDnCreate"), "cuSPARSE": ("libcusparse.so", "cusparseCreate"),
+           "cuDNN": ("libcudnn.so", "cudnnCreate")}
+mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/" in line}
+libraries = {}
+for name, (stem, symbol) in symbols.items():
+    paths = sorted(p for p in mapped if p.rsplit("/", 1)[-1].startswith(stem))
+    if not paths:
+        libraries[name] = "not loaded"
+    else:
+        libraries[name] = "real" if hasattr(ctypes.CDLL(paths[0]), symbol) else "stand-in"
+"""
+
+
+def _libraries_label(libraries: dict[str, str]) -> str:
+    """E.g. 'cuBLAS real; cuFFT, cuSOLVER, cuSPARSE empty stand-ins; cuDNN not loaded'."""
+    parts = []
+    for state, one, several in (("real", "real", "real"), ("stand-in", "an empty stand-in", "empty stand-ins"),
+                                ("not loaded", "not loaded", "not loaded")):
+        names = [name for name, found in libraries.items() if found == state]
+        if names:
+            parts.append(f"{', '.join(names)} {one if len(names) == 1 else several}")
+    return "; ".join(parts)
+
+
+def _environment_label(libraries: bool = False) -> dict:
+    """The card, its driver, TensorFlow's version and the date; with `libraries`, which math
+    libraries were real (read in a fresh process, for recordings)."""
     import tensorflow as tf
 
     from . import nvml
 
     gpu = nvml.read_gpus()[0]
     driver = nvml._nvml().nvmlSystemGetDriverVersion()
-    return {"device": gpu.name, "driver": driver if isinstance(driver, str) else driver.decode(),
-            "tensorflow": tf.__version__, "date": _dt.date.today().isoformat()}
+    label = {"device": gpu.name, "driver": driver if isinstance(driver, str) else driver.decode(),
+             "tensorflow": tf.__version__, "date": _dt.date.today().isoformat()}
+    if libraries:
+        label["libraries"] = run_fresh(_LIBRARIES_CODE, returns=["libraries"], echo=False).values["libraries"]
+    return label
 
 
 def gpu_result(name: str, live: bool | None = None) -> GpuResult:
@@ -333,7 +502,7 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     entry = recorded["experiments"][name]
     label = recorded["environment"]
     source = (f"recorded on {label['device']} (driver {label['driver']}), TensorFlow {label['tensorflow']}, "
-              f"{label['date']}: no GPU here, so not run live")
+              f"{label['date']}; {_libraries_label(label['libraries'])}: no GPU here, so not run live")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)
 
 
@@ -341,7 +510,7 @@ def record(path: Path = RECORDED) -> dict:
     """Run every experiment on this machine's GPU and write them to `path`."""
     if not _gpu_here():
         raise SystemExit("recording needs a GPU that TensorFlow sees; none here")
-    data = {"environment": _environment_label(), "experiments": {}}
+    data = {"environment": _environment_label(libraries=True), "experiments": {}}
     for name in EXPERIMENTS:
         print(f"== {name}", flush=True)
         output, values = run_experiment(name, echo=True)

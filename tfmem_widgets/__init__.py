@@ -20,7 +20,10 @@ from .fresh import FreshRun, FreshRunError, run_fresh
 from .measure import Measurement, measure
 from .report import MemoryReport, report
 from .trace import Trace, trace
+from .runtime import watch_runtime_start
 from .xplane import TraceDataError
+
+watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 
 __version__ = "0.1.0"
 __all__ = [

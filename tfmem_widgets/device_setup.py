@@ -10,7 +10,7 @@ import psutil
 
 from . import nvml
 from .plan import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
-from .runtime import logical_cpu_count, physical_gpus, runtime_started, tensorflow
+from .runtime import logical_cpu_count, physical_gpus, runtime_started, setup_env, setup_env_changed, tensorflow
 
 
 def current_state() -> DeviceState:
@@ -27,14 +27,22 @@ def current_state() -> DeviceState:
         for gpu in gpus:
             nvml_index = nvml.nvml_index_for_cuda_ordinal(gpu.index, readings)
             memory[gpu.index] = readings[nvml_index] if nvml_index is not None else None
+    # The setup variables as TensorFlow read them at its start, not as the environment says now.
+    env = {k: v for k, v in os.environ.items()}
+    for name, value in setup_env().items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return DeviceState(
         gpus=gpus,
         gpu_memory=memory,
         nvml_note=note,
         cpu_logical=logical_cpu_count(),
         host_total_bytes=psutil.virtual_memory().total,
-        env=dict(os.environ),
+        env=env,
         runtime_started=runtime_started(),
+        env_notes=tuple(setup_env_changed()),
     )
 
 

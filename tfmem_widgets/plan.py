@@ -22,7 +22,7 @@ from .runtime import (
     LAB_USE_BFC_ENV,
     MIN_SYS_MEMORY_ENV,
     PhysicalGpu,
-    lab_limit_bytes,
+    lab_setting,
 )
 from .units import MiB, format_bytes
 
@@ -155,8 +155,9 @@ class DeviceState:
     nvml_note: str | None  # why NVML could not be read, if it could not
     cpu_logical: int
     host_total_bytes: int
-    env: Mapping[str, str]
+    env: Mapping[str, str]  # the setup variables as TensorFlow read them (or will read them)
     runtime_started: bool
+    env_notes: tuple[str, ...] = ()  # setup variables changed in the environment since TensorFlow read them
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,20 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
     notes: list[str] = []
     gpu_count = len(state.gpus)
 
+    lab_now = lab_setting(state.env)
     if request.is_empty() and gpu_count == 0:
-        request = SetupRequest(lab_mb=DEFAULT_LAB_MB)
-        notes.append(f"no GPU is visible to TensorFlow: lab mode with a {DEFAULT_LAB_MB} MB limit")
+        if lab_now.crashes:
+            raise SetupError(f"{lab_now.problems[0]}; or run %tfmem setup --lab {DEFAULT_LAB_MB} to replace it.")
+        if lab_now.enabled:
+            # The user's own setting stands: they exported it, and did not ask to change it.
+            notes.append(f"{lab_now.describe()}, as set in the environment (kept; --lab N replaces it)")
+            notes.extend(lab_now.problems)
+            if lab_now.limit_mb is not None:
+                request = SetupRequest(lab_mb=lab_now.limit_mb)
+        else:
+            request = SetupRequest(lab_mb=DEFAULT_LAB_MB)
+            notes.append(f"no GPU is visible to TensorFlow: lab mode with a {DEFAULT_LAB_MB} MB limit")
+    notes.extend(state.env_notes)
 
     # -- the GPUs exist ----------------------------------------------------------------
     if gpu_count == 0 and request.gpu_options():
@@ -359,9 +371,15 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
         if env.get(name) != value:
             steps.append(_env_step(name, value, why))
 
-    if request.lab_mb is not None:
+    lab_in_effect = (lab_now.enabled and lab_now.limit_mb == request.lab_mb
+                     and (state.runtime_started or not lab_now.problems))
+    if request.lab_mb is not None and not lab_in_effect:
+        # Once the runtime has started, what counts is what TensorFlow read, not how it was
+        # spelled (TF_CPU_ALLOCATOR_USE_BFC=1 is lab mode as much as "true").
         env_change(LAB_USE_BFC_ENV, "true", "lab mode: the CPU allocator becomes TensorFlow's BFC allocator")
         env_change(LAB_LIMIT_ENV, str(request.lab_mb), "and its limit in MB")
+    elif request.lab_mb is None and not state.runtime_started:
+        notes.extend(lab_now.problems)  # an exported lab setting TensorFlow reads otherwise
     if request.allocator is not None:
         env_change(GPU_ALLOCATOR_ENV, request.allocator, "GPU allocator, read when the GPUs are created")
     if request.force_growth is not None:
@@ -389,8 +407,8 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
         raise SetupError(_too_late(steps[0], request, state))
 
     lab_mb = request.lab_mb
-    if lab_mb is None and lab_limit_bytes(env) is not None:
-        lab_mb = lab_limit_bytes(env) // MiB
+    if lab_mb is None and lab_now.enabled:
+        lab_mb = lab_now.limit_mb
     return SetupPlan(request=request, steps=tuple(steps), notes=tuple(notes), lab_mb=lab_mb)
 
 
@@ -400,8 +418,7 @@ def _too_late(step: Step, request: SetupRequest, state: DeviceState) -> str:
     fix = _restart_fix(request)
     env = state.env
     if step.kind == "env" and step.target in (LAB_USE_BFC_ENV, LAB_LIMIT_ENV):
-        limit = lab_limit_bytes(env)
-        now = f"lab mode with {limit // MiB} MB" if limit is not None else "TensorFlow's default CPU allocator"
+        now = lab_setting(env).describe()
         return f"{started}, so lab mode can no longer change (it is {now}, asked {request.lab_mb} MB): {fix}."
     if step.kind == "growth" or step.target == FORCE_GROWTH_ENV:
         return (

@@ -19,10 +19,11 @@ from .errors import SetupError
 from .runtime import (
     LogicalDevice,
     PhysicalGpu,
-    lab_limit_bytes,
+    lab_setting,
     logical_devices,
     physical_gpus,
     runtime_started,
+    setup_env_changed,
     tensorflow,
 )
 from .units import MiB, format_bytes
@@ -74,16 +75,18 @@ class MemoryReport:
     host_rss_bytes: int
     host_total_bytes: int
     nvml_note: str | None
+    notes: tuple[str, ...] = ()  # the environment against what TensorFlow read from it
 
     def _header(self) -> str:
         state = "runtime started" if self.runtime_started else (
             "runtime not started yet: setup is still possible, figures appear after the first op"
         )
-        mode = (
-            f"; lab mode: the CPU allocator is TensorFlow's BFC allocator, limit {format_bytes(self.lab_limit_bytes)}"
-            if self.lab_limit_bytes is not None
-            else ""
-        )
+        if self.lab_limit_bytes is None:
+            mode = ""
+        elif self.lab_limit_bytes >= 1 << 63:
+            mode = "; lab mode: the CPU allocator is TensorFlow's BFC allocator, no practical limit"
+        else:
+            mode = f"; lab mode: the CPU allocator is TensorFlow's BFC allocator, limit {format_bytes(self.lab_limit_bytes)}"
         return f"tfmem report (TensorFlow {self.tensorflow_version}; {state}{mode})"
 
     @staticmethod
@@ -119,6 +122,7 @@ class MemoryReport:
         )
         if self.nvml_note:
             out.append(self.nvml_note)
+        out += [f"note: {n}" for n in self.notes]
         return out
 
     def __repr__(self) -> str:
@@ -154,6 +158,7 @@ class MemoryReport:
                 escape(f"host: this process {format_bytes(self.host_rss_bytes)} resident")]
         if self.nvml_note:
             foot.append(escape(self.nvml_note))
+        foot += [escape(f"note: {n}") for n in self.notes]
         return (
             "<div class='tfmem-report'><table>" + "".join(rows) + "</table>" + "".join(details)
             + "".join(f"<p>{f}</p>" for f in foot) + "</div>"
@@ -249,7 +254,8 @@ def report() -> MemoryReport:
     """
     tf = tensorflow()
     started = runtime_started()
-    lab_limit = lab_limit_bytes()
+    lab = lab_setting()  # as TensorFlow read it when its runtime started, not the environment now
+    lab_limit = lab.limit_bytes if lab.limit_mb is not None or not lab.enabled else (1 << 64) - 1
     gpus = physical_gpus()
     devices = logical_devices(gpus)
     pid = os.getpid()
@@ -293,4 +299,5 @@ def report() -> MemoryReport:
         host_rss_bytes=psutil.Process(pid).memory_info().rss,
         host_total_bytes=psutil.virtual_memory().total,
         nvml_note=nvml_note,
+        notes=tuple(lab.problems) + tuple(setup_env_changed()),
     )

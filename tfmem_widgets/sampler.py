@@ -69,7 +69,7 @@ def _static_parts(background: bool) -> dict:
 
     gpus = physical_gpus()
     devices = logical_devices(gpus)
-    lab = lab_limit_bytes()
+    lab = lab_limit_bytes()  # what TensorFlow read when its runtime started
     limits: dict[str, int | None] = {}
     for d in devices:
         if d.device_type == "CPU":

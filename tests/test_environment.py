@@ -1,0 +1,172 @@
+"""The environment and TensorFlow agree: what is shown as in force is what TensorFlow enforces.
+
+TensorFlow reads the lab-mode variables once, when its runtime starts, and reads them its own
+way (TF_CPU_ALLOCATOR_USE_BFC=1 is lab mode; TF_CPU_BFC_MEM_LIMIT_IN_MB='32.5' is 32 MB).
+The class test writes the settings every way TensorFlow accepts them, and several ways it does
+not, and checks the package's reading against what TensorFlow then does in a fresh process.
+"""
+
+import json
+
+import pytest
+
+from conftest import FRESH_SHELL, finish_fresh, run_fresh, start_fresh
+from tfmem_widgets.plan import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
+from tfmem_widgets.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV, lab_setting
+from tfmem_widgets.units import GiB
+
+
+def env(switch, limit=None):
+    out = {LAB_USE_BFC_ENV: switch}
+    if limit is not None:
+        out[LAB_LIMIT_ENV] = limit
+    return out
+
+
+def cpu_state(environment, started=False):
+    return DeviceState(gpus=(), gpu_memory={}, nvml_note=None, cpu_logical=1, host_total_bytes=24 * GiB,
+                       env=environment, runtime_started=started)
+
+
+# -- fault 10: a malformed limit is shown as what TensorFlow does with it ----------------------
+
+@pytest.mark.parametrize("raw, enforced", [("64MB", 64), ("32.5", 32), ("64.9", 64), ("1e3", 1)])
+def test_a_malformed_limit_reads_as_the_number_tensorflow_enforces_and_says_so(raw, enforced):
+    setting = lab_setting(env("true", raw))
+    assert setting.enabled and setting.limit_mb == enforced
+    assert len(setting.problems) == 1 and f"enforces {enforced} MB" in setting.problems[0]
+
+
+def test_a_limit_tensorflow_reads_as_zero_is_a_crash_and_a_bare_setup_refuses_it():
+    for raw in ("0", "", "abc", "0x40"):
+        setting = lab_setting(env("true", raw))
+        assert setting.crashes, raw
+        assert "crashes" in setting.problems[0]
+    with pytest.raises(Exception) as info:
+        plan_setup(SetupRequest(), cpu_state(env("1", "abc")))
+    assert "crashes" in str(info.value) and f"--lab {DEFAULT_LAB_MB}" in str(info.value)
+
+
+# -- fault 11: a bare setup keeps a lab limit the user exported --------------------------------
+
+def test_a_bare_setup_keeps_the_lab_limit_the_user_exported():
+    plan = plan_setup(SetupRequest(), cpu_state(env("1", "64")))
+    assert plan.lab_mb == 64 and plan.steps == ()
+    assert any("as set in the environment" in n for n in plan.notes)
+    # Asked explicitly, it changes.
+    plan = plan_setup(SetupRequest(lab_mb=128), cpu_state(env("1", "64")))
+    assert plan.lab_mb == 128 and [s.value for s in plan.steps] == ["true", "128"]
+
+
+def test_a_bare_setup_with_a_misspelt_switch_says_lab_mode_was_off():
+    plan = plan_setup(SetupRequest(), cpu_state(env("yes", "64")))
+    assert plan.lab_mb == DEFAULT_LAB_MB  # TensorFlow would not have used lab mode
+    assert any("no GPU is visible" in n for n in plan.notes)
+
+
+# -- fault 8: after the start, the same lab mode spelled another way is in effect --------------
+
+@pytest.mark.parametrize("switch", ["1", "TRUE", "True"])
+def test_after_start_lab_mode_spelled_another_way_is_already_in_effect(switch):
+    plan = plan_setup(SetupRequest(lab_mb=64), cpu_state(env(switch, " 64"), started=True))
+    assert plan.steps == () and plan.lab_mb == 64
+
+
+# -- fault 9 (and 8) in a real process: what TensorFlow read at its start ---------------------
+
+def test_figures_come_from_what_tensorflow_read_at_its_start_not_the_environment_now():
+    out = run_fresh(FRESH_SHELL + """
+import json, os
+import tensorflow as tf
+import tfmem_widgets
+from tfmem_widgets import SetupError, report, setup, measure
+x = tf.zeros((256,))                        # the runtime starts with lab mode at 64 MB ("1")
+os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = "512"
+r = report()
+same = setup(lab_mb=64)
+try:
+    setup(lab_mb=512)
+    refused = None
+except SetupError as exc:
+    refused = str(exc)
+with measure("CPU:0") as m:
+    pass
+try:
+    big = tf.zeros((100 << 18,))            # 100 MiB: over what TensorFlow enforces
+    oom = False
+except tf.errors.ResourceExhaustedError:
+    oom = True
+print(json.dumps({"report_limit": r.lab_limit_bytes, "report_notes": list(r.notes), "same": repr(same),
+                  "refused": refused, "measure_limit": m.lab_limit_bytes, "oom": oom}))
+""", env={"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "64"})
+    assert out["oom"], "TensorFlow enforces the limit it read at its start"
+    assert out["report_limit"] == 64 << 20 and out["measure_limit"] == 64 << 20
+    assert any("'512' in the environment now" in n and "'64'" in n for n in out["report_notes"])
+    assert "already in effect" in out["same"] and "'512' in the environment now" in out["same"]
+    assert "lab mode with 64 MB, asked 512 MB" in out["refused"] and "\n" not in out["refused"]
+
+
+# -- the class: lab settings written every way, against what TensorFlow does -------------------
+
+PROBE = """
+import json, os, sys
+import tfmem_widgets
+from tfmem_widgets.runtime import lab_setting
+import tensorflow as tf
+predicted = lab_setting()
+print(json.dumps({"enabled": predicted.enabled, "limit_mb": predicted.limit_mb}), flush=True)
+def fits(mb):
+    try:
+        t = tf.zeros((mb << 18,)); t.numpy()
+        return True
+    except tf.errors.ResourceExhaustedError:
+        return False
+x = tf.zeros((256,))
+out = {"bfc": int(tf.config.experimental.get_memory_info("CPU:0")["current"]) > 0}
+if predicted.enabled and predicted.limit_mb and predicted.limit_mb <= 1024:
+    # A fresh pool holds one 2 MiB region: a tensor of the limit less 3 MiB fits, less 1 MiB does not.
+    out["below"], out["above"] = fits(predicted.limit_mb - 3), fits(predicted.limit_mb - 1)
+elif predicted.enabled:
+    out["large"] = fits(300)
+print(json.dumps(out))
+"""
+
+SPELLINGS = [
+    ("1", "64"), ("TRUE", " 64"), ("True", "+64"), ("true", "064 "), ("1", "64MB"), ("true", "32.5"),
+    ("yes", "64"), (" true", "64"), ("true", "abc"), ("true", "-1"), ("false", "64"), ("1", None),
+]
+
+
+@pytest.fixture(scope="module")
+def tensorflow_readings():
+    procs = []
+    for switch, limit in SPELLINGS:
+        procs.append(start_fresh(PROBE, env={"TF_CPP_MIN_LOG_LEVEL": "3", **env(switch, limit)}))
+    readings = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=300)
+        lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        readings.append((proc.returncode, lines))
+    return readings
+
+
+@pytest.mark.parametrize("index", range(len(SPELLINGS)), ids=[f"{s!r}-{l!r}" for s, l in SPELLINGS])
+def test_every_spelling_reads_as_tensorflow_acts(tensorflow_readings, index):
+    switch, limit = SPELLINGS[index]
+    returncode, lines = tensorflow_readings[index]
+    assert lines, f"the probe printed nothing (exit {returncode})"
+    predicted = lines[0]
+    assert predicted == {"enabled": lab_setting(env(switch, limit)).enabled,
+                         "limit_mb": lab_setting(env(switch, limit)).limit_mb}
+    if predicted["enabled"] and predicted["limit_mb"] == 0:
+        assert returncode == -11 and len(lines) == 1, "TensorFlow crashes at its first allocation"
+        return
+    assert returncode == 0
+    seen = lines[1]
+    assert seen["bfc"] == predicted["enabled"]
+    if predicted["enabled"] and predicted["limit_mb"] and predicted["limit_mb"] <= 1024:
+        assert (seen["below"], seen["above"]) == (True, False), f"TensorFlow enforces {predicted['limit_mb']} MB"
+    elif predicted["enabled"]:
+        assert seen["large"], "no limit, or TensorFlow's default of 64 GiB"
+    if limit is None:
+        assert predicted["limit_mb"] == LAB_DEFAULT_LIMIT_MB

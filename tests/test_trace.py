@@ -2,8 +2,10 @@
 here begins after earlier work), the %%tfmem trace magic, faults and exports."""
 
 import os
+from pathlib import Path
 
 import matplotlib
+
 import pytest
 
 import tfmem_widgets
@@ -115,7 +117,9 @@ def test_keep_leaves_the_profilers_files(lab_session, tmp_path):
         with tf.device("CPU:0"):
             tf.zeros((10,))
     files = list((tmp_path / "kept").rglob("*.xplane.pb"))
-    assert len(files) == 1 and t.logdir == str(tmp_path / "kept")
+    # A folder of the trace's own inside the one named: a second trace never reads these files.
+    assert len(files) == 1 and Path(t.logdir).parent == tmp_path / "kept"
+    assert files[0].is_relative_to(t.logdir)
     assert read_xspace(files[0].read_bytes())[CPU].kind.size >= 1
 
 
@@ -145,8 +149,11 @@ def test_corrupt_truncated_and_empty_files_are_refused(lab_session, tmp_path):
 
 
 def test_cuda_malloc_async_without_lab_mode_has_nothing_to_trace(lab_session, monkeypatch):
-    monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")
-    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC")
+    from tfmem_widgets import runtime
+
+    # As if TensorFlow had read these when its runtime started (what counts, not the environment now).
+    monkeypatch.setattr(runtime, "_read_at_start", {name: None for name in runtime.SETUP_ENV_VARS}
+                        | {"TF_GPU_ALLOCATOR": "cuda_malloc_async"})
     with pytest.raises(tfmem_widgets.SetupError, match="cuda_malloc_async"):
         with trace():
             pass

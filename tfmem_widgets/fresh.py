@@ -12,14 +12,12 @@ process (lab mode, growth, allocator), only with those the caller passes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +61,10 @@ def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] 
     environment modules or a carried install put TensorFlow), so nothing the user had is lost.
     """
     child = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
+    from .trace import DUMP_ENV, owned_dump_prefix
+
+    if owned_dump_prefix() is not None and child.get(DUMP_ENV) == owned_dump_prefix():
+        del child[DUMP_ENV]  # a running trace's dump place is the trace's, not the child's
     extra = {str(k): str(v) for k, v in (env or {}).items()}
     added = [str(folder) for folder in path] + extra.pop("PYTHONPATH", "").split(os.pathsep)
     child.update(extra)
@@ -89,6 +91,60 @@ def _without_native_logs(lines) -> str:
     return "".join(kept)
 
 
+_SETUP_KEYS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
+# The environment variables each setup option writes: --env may not set them too.
+_SETUP_WRITES = {
+    "lab_mb": ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"),
+    "allocator": ("TF_GPU_ALLOCATOR",),
+    "force_growth": ("TF_FORCE_GPU_ALLOW_GROWTH",),
+    "reserve_mb": ("TF_DEVICE_MIN_SYS_MEMORY_IN_MB",),
+}
+_GRACE = 2.0  # seconds to drain output once the child has exited or been killed
+
+
+def _check_timeout(timeout) -> float | None:
+    import math
+    import numbers
+
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
+        raise SetupError(f"timeout must be a number of seconds, or None for no limit; got {timeout!r}.")
+    if timeout < 0.01:
+        raise SetupError(f"timeout must be at least 0.01 seconds (None: no limit); got {timeout!r}.")
+    return float(timeout)
+
+
+def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> None:
+    """The setup and environment asked for, checked here before a process is started."""
+    if setup is None:
+        return
+    if not isinstance(setup, Mapping):
+        raise SetupError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
+    unknown = [key for key in setup if key not in _SETUP_KEYS]
+    if unknown:
+        raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(_SETUP_KEYS)}.")
+    from .plan import SetupRequest
+
+    SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
+    for key, names in _SETUP_WRITES.items():
+        clash = [name for name in names if setup.get(key) is not None and name in (env or {})]
+        if clash:
+            raise SetupError(f"{clash[0]} is set in env and by the setup option {key}: give one of them.")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The child and everything it started (its own process group)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.kill()
+
+
 def run_fresh(
     code: str,
     *,
@@ -105,49 +161,48 @@ def run_fresh(
              (None: no setup, TensorFlow as it starts by default)
     env:     environment variables for the child (e.g. {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}); a
              PYTHONPATH here is added in front of this process's, never replaces it
-    returns: names the code defines, brought back as FreshRun.values
+    returns: names the code defines, brought back as FreshRun.values, equal to what they were
+             there (any value Python can pickle whose type this process can import; a Trace or a
+             Measurement); a TensorFlow tensor, or an object of a class the cell defined, is
+             refused in one line
+    timeout: seconds before the process, and every process it started, is killed (None: no limit)
     echo:    print the child's output here as it comes
     path:    folders to import from first in the child (e.g. where a module of the notebook's is)
 
-    Raises SetupError when the child refuses the setup, FreshRunError when the code raises
-    or the process dies or runs past `timeout` seconds (it is then killed).
+    Raises SetupError when the setup is refused (here or by the child), FreshRunError when the
+    code raises, a value cannot come back, or the process dies or runs past `timeout` seconds.
 
     >>> run = run_fresh("import tensorflow as tf\\nx = tf.zeros((256,))\\npeak = ...",
     ...                 setup={"lab_mb": 64}, returns=["peak"])
     >>> run.values["peak"]
     """
+    if not isinstance(code, str):
+        raise SetupError(f"code must be the cell's text, got {type(code).__name__}.")
+    if isinstance(returns, str):
+        raise SetupError(f"returns must be a list of names, got the text {returns!r}: use [{returns!r}].")
     bad = [name for name in returns if not str(name).isidentifier()]
     if bad:
         raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
+    timeout = _check_timeout(timeout)
+    _check_request(setup, env)
     with tempfile.TemporaryDirectory(prefix="tfmem-fresh-") as work:
         work_dir = Path(work)
         (work_dir / "job.json").write_text(json.dumps(
             {"code": code, "setup": None if setup is None else dict(setup), "returns": list(returns)}))
-        with open(work_dir / "stderr.txt", "w+") as stderr:
+        with open(work_dir / "stderr.txt", "w+b") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_environment(env, path),
+                stdout=subprocess.PIPE, stderr=stderr, env=child_environment(env, path),
+                start_new_session=True,  # its own process group: a timeout kills what it started too
             )
-            timer = threading.Timer(timeout, proc.kill) if timeout else None
-            output: list[str] = []
             try:
-                if timer is not None:
-                    timer.start()
-                for line in proc.stdout:
-                    output.append(line)
-                    if echo:
-                        sys.stdout.write(line)
-                        sys.stdout.flush()
+                output, timed_out = _follow(proc, timeout, echo)
+            finally:  # Ctrl-C, an error here, or the end: nothing the child started outlives the call
+                _kill_group(proc)
                 proc.wait()
-            finally:  # Ctrl-C or any error here: the child does not outlive the call
-                if timer is not None:
-                    timer.cancel()
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
                 proc.stdout.close()
             stderr.seek(0)
-            errors = _without_native_logs(stderr)
+            errors = _without_native_logs(stderr.read().decode(errors="replace").splitlines(keepends=True))
         if errors and echo:
             sys.stderr.write(errors)
         result_file = work_dir / "result.json"
@@ -155,51 +210,135 @@ def run_fresh(
         if "setup_error" in result:
             raise SetupError(result["setup_error"])
         if proc.returncode != 0 or "values" not in result:
-            if timeout and proc.returncode == -9 and "values" not in result:
-                why = f"ran past {timeout:g} s and was stopped"
+            if timed_out and "values" not in result:
+                why = f"ran past {timeout:g} s and was stopped, with every process it started"
             elif "error" in result:
                 why = f"raised {result['error']}"
             else:
                 why = f"ended with exit code {proc.returncode}"
             raise FreshRunError(f"the fresh process {why}; its output is above.")
-        values = {name: _decode(value, work_dir) for name, value in result["values"].items()}
-        return FreshRun(proc.returncode, "".join(output), values, errors)
+        values = {name: _decode(name, work_dir) for name in result["values"]}
+        return FreshRun(proc.returncode, output, values, errors)
 
 
-# -- the child's side ------------------------------------------------------------------------
+def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[str, bool]:
+    """Show the child's output as it comes, until it ends; kill its group at the timeout.
 
-def _encode(name: str, value: Any, work_dir: Path) -> Any:
-    from .measure import Measurement
-    from .trace import Trace, trace
+    The wait is bounded: a process it started that keeps the output open (in another session)
+    gets _GRACE seconds after the child has gone. Bytes that are not UTF-8 are replaced.
+    """
+    import codecs
+    import select
+    import time
 
-    if isinstance(value, trace):  # `with tfmem_widgets.trace() as t:` gives the block
-        value = value.result
-    if isinstance(value, Trace):
-        path = work_dir / f"{name}.trace.json"
-        value.to_json(path)
-        return {"__tfmem__": "trace", "path": path.name}
-    if isinstance(value, Measurement):
-        return {"__tfmem__": "measurement", "fields": dataclasses.asdict(value)}
-    if hasattr(value, "tolist"):  # numpy scalars and arrays
-        value = value.tolist()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = proc.stdout.fileno()
+    pieces: list[str] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended_at = None
+    timed_out = False
+    while True:
+        now = time.monotonic()
+        if deadline is not None and not timed_out and now >= deadline:
+            timed_out = True
+            _kill_group(proc)
+        if ended_at is None and proc.poll() is not None:
+            ended_at = now
+        if ended_at is not None and now - ended_at > _GRACE:
+            break
+        wait = 0.1 if deadline is None or timed_out else max(0.0, min(0.1, deadline - now))
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            continue
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        text = decoder.decode(data)
+        if text:
+            pieces.append(text)
+            if echo:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        pieces.append(tail)
+        if echo:
+            sys.stdout.write(tail)
+    return "".join(pieces), timed_out
+
+
+# -- values on the way back ------------------------------------------------------------------
+
+def _same(value):
+    return value
+
+
+def _refusal(obj) -> str | None:
+    """Why `obj` must not be sent back, or None."""
+    if isinstance(obj, type) or callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__"):
+        module = getattr(obj, "__module__", None) or ""
+        if module == "__main__":
+            return f"{getattr(obj, '__qualname__', obj)!s} is defined in the cell, so this kernel cannot rebuild it"
+        return None
+    module = type(obj).__module__ or ""
+    top = module.split(".")[0]
+    if top in ("tensorflow", "keras", "tf_keras"):
+        return (f"it holds a TensorFlow object ({type(obj).__name__}), which would start TensorFlow's runtime "
+                "in this kernel; bring back .numpy() of it, or plain numbers")
+    if module == "__main__":
+        return (f"it holds a {type(obj).__name__}, a class the cell defined, which this kernel cannot rebuild; "
+                "bring back its fields as plain values")
+    return None
+
+
+class _Pickler:
+    """pickle, refusing what would come back wrong (see _refusal); a running trace() as its Trace."""
+
+    @staticmethod
+    def dumps(value) -> bytes:
+        import io
+        import pickle
+
+        from .trace import trace
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, obj):
+                if isinstance(obj, trace):  # `with tfmem_widgets.trace() as t:` gives the block
+                    return _same, (obj.result,)
+                why = _refusal(obj)
+                if why is not None:
+                    raise _Refused(why)
+                return NotImplemented
+
+        buffer = io.BytesIO()
+        Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return buffer.getvalue()
+
+
+class _Refused(Exception):
+    pass
+
+
+def _encode(name: str, value: Any, work_dir: Path) -> None:
     try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"cannot bring back {name} ({type(value).__name__}): return numbers, text, "
-                        "lists, dicts, a Trace or a Measurement") from None
-    return value
+        data = _Pickler.dumps(value)
+    except _Refused as exc:
+        raise TypeError(f"cannot bring back {name}: {exc}") from None
+    except Exception as exc:
+        raise TypeError(f"cannot bring back {name} ({type(value).__name__}): it cannot be sent between processes "
+                        f"({type(exc).__name__}: {exc}); bring back numbers, text, containers, NumPy arrays, "
+                        "a Trace or a Measurement") from None
+    (work_dir / f"{name}.value").write_bytes(data)
 
 
-def _decode(value: Any, work_dir: Path) -> Any:
-    if isinstance(value, dict) and "__tfmem__" in value:
-        if value["__tfmem__"] == "trace":
-            from .trace import Trace
+def _decode(name: str, work_dir: Path) -> Any:
+    import pickle
 
-            return Trace.load(work_dir / value["path"])
-        from .measure import Measurement
-
-        return Measurement(**value["fields"])
-    return value
+    try:
+        return pickle.loads((work_dir / f"{name}.value").read_bytes())
+    except Exception as exc:
+        raise FreshRunError(f"cannot bring back {name}: this kernel cannot rebuild it "
+                            f"({type(exc).__name__}: {exc}).") from None
 
 
 def _child_main(work: str) -> int:
@@ -226,18 +365,17 @@ def _child_main(work: str) -> int:
     if failure is not None:
         result_file.write_text(json.dumps({"error": type(failure).__name__}))
         return 1
-    values = {}
     for name in job["returns"]:
         if name not in shell.user_ns:
             print(f"{name} was not defined by the cell; nothing to bring back.")
             result_file.write_text(json.dumps({"error": "NameError"}))
             return 1
         try:
-            values[name] = _encode(name, shell.user_ns[name], work_dir)
+            _encode(name, shell.user_ns[name], work_dir)
         except TypeError as exc:
             print(exc)
             result_file.write_text(json.dumps({"error": "TypeError"}))
             return 1
-    result_file.write_text(json.dumps({"values": values}))
+    result_file.write_text(json.dumps({"values": job["returns"]}))
     sys.stdout.flush()
     return 0

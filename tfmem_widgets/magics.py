@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.utils.process import arg_split
 
 from .device_setup import setup
 from .errors import SetupError
@@ -25,6 +28,16 @@ def _mb(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of MB, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of MB, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count (1, 2, ...), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count of at least 1, got {text!r}")
     return value
 
 
@@ -55,7 +68,7 @@ def _split(text: str):
     """'2' (a count) or '2048,2048' (sizes in MB)."""
     if "," in text:
         return [_mb(part) for part in text.split(",")]
-    count = _mb(text)
+    count = _count(text)
     if count > _MAX_SPLIT_COUNT:
         raise argparse.ArgumentTypeError(
             f"{count} logical devices is more than {_MAX_SPLIT_COUNT}: list sizes with commas "
@@ -65,13 +78,41 @@ def _split(text: str):
 
 
 def _seconds(text: str) -> float:
+    """A gauge's interval: the sampler's rule (check_interval)."""
+    from .sampler import check_interval
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0.01 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"expected between 0.01 and 3600 seconds, got {text!r}")
+    try:
+        return check_interval(value)
+    except SetupError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def _fresh_timeout(text: str) -> float | None:
+    """Seconds, or 'none' for no limit (a long training cell)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0.01):
+        raise argparse.ArgumentTypeError(f"expected at least 0.01 seconds, or 'none' for no limit, got {text!r}")
     return value
+
+
+class _Once(argparse.Action):
+    """An option given twice is refused, not silently the last one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given twice: give it once")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 def _gpus(text: str):
@@ -82,7 +123,7 @@ def _gpus(text: str):
 
 def _add_setup_arguments(s):
     """The options of %tfmem setup (also those of %%tfmem fresh)."""
-    s.add_argument("--lab", type=_mb, metavar="MB", dest="lab_mb",
+    s.add_argument("--lab", type=_mb, action=_Once, metavar="MB", dest="lab_mb",
                    help="lab mode: TensorFlow's CPU allocator becomes its BFC allocator with this limit")
     growth = s.add_mutually_exclusive_group()
     growth.add_argument("--growth", action="store_const", const=True, dest="growth",
@@ -91,15 +132,15 @@ def _add_setup_arguments(s):
                         help="preallocate (TensorFlow's default)")
     s.add_argument("--force-growth", action="store_const", const=True, dest="force_growth",
                    help="TF_FORCE_GPU_ALLOW_GROWTH=true: growth that also works with --limit/--split")
-    s.add_argument("--limit", type=_limit, metavar="MB|GPU=MB,...", dest="limit_mb",
+    s.add_argument("--limit", type=_limit, action=_Once, metavar="MB|GPU=MB,...", dest="limit_mb",
                    help="memory limit for every visible GPU, or per GPU (0=4096,1=2048)")
-    s.add_argument("--split", type=_split, metavar="N|MB,MB,...",
+    s.add_argument("--split", type=_split, action=_Once, metavar="N|MB,MB,...",
                    help="logical devices per GPU: a count (divides the limit) or sizes in MB")
-    s.add_argument("--gpus", type=_gpus, metavar="0,1|none", help="the GPUs TensorFlow may use")
-    s.add_argument("--allocator", choices=["bfc", "cuda_malloc_async"], help="TF_GPU_ALLOCATOR")
-    s.add_argument("--reserve", type=_mb_or_zero, metavar="MB", dest="reserve_mb",
+    s.add_argument("--gpus", type=_gpus, action=_Once, metavar="0,1|none", help="the GPUs TensorFlow may use")
+    s.add_argument("--allocator", action=_Once, choices=["bfc", "cuda_malloc_async"], help="TF_GPU_ALLOCATOR")
+    s.add_argument("--reserve", type=_mb_or_zero, action=_Once, metavar="MB", dest="reserve_mb",
                    help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
-    s.add_argument("--cpus", type=_mb, metavar="N", help="split the CPU into N logical devices")
+    s.add_argument("--cpus", type=_count, action=_Once, metavar="N", help="split the CPU into N logical devices")
 
 
 def _env_assignment(text: str) -> tuple[str, str]:
@@ -123,8 +164,8 @@ def _parsers():
     commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
     watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
     watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
-    watch.add_argument("--interval", type=_seconds, default=0.5, metavar="S", help="seconds between readings")
-    watch.add_argument("-d", "--device", default=None, help="only this device (e.g. GPU:0)")
+    watch.add_argument("--interval", type=_seconds, action=_Once, default=0.5, metavar="S", help="seconds between readings")
+    watch.add_argument("-d", "--device", action=_Once, default=None, help="only this device (e.g. GPU:0)")
     commands.add_parser("panel", help="the device setup panel")
     s = commands.add_parser(
         "setup",
@@ -139,13 +180,13 @@ def _parsers():
     )
     cell.add_argument("mode", nargs="?", choices=["trace"],
                       help="trace: record every allocation of the cell (memory map, OOM dump)")
-    cell.add_argument("--keep", metavar="DIR", help="trace: keep the profiler's files in DIR")
+    cell.add_argument("--keep", action=_Once, metavar="DIR", help="trace: keep the profiler's files in DIR")
     cell.add_argument("--plot", action="store_true", help="trace: draw the memory map and the timeline")
-    cell.add_argument("-d", "--device", default=None,
+    cell.add_argument("-d", "--device", action=_Once, default=None,
                       help="the device to measure, e.g. GPU:0 or CPU:0 (default: first GPU, else CPU)")
     cell.add_argument("-o", dest="output", action="store_true", help="return the Measurement")
     cell.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
-    cell.add_argument("-v", dest="variable", metavar="NAME", help="store the Measurement in NAME")
+    cell.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the Measurement in NAME")
 
     fresh = MagicArgumentParser(
         prog="%%tfmem fresh",
@@ -159,10 +200,10 @@ def _parsers():
     fresh.add_argument("--path", action="append", default=[], metavar="DIR",
                        help="a folder to import from first in the new process (repeatable); the kernel's "
                             "PYTHONPATH is kept, and a PYTHONPATH given with --env adds to it")
-    fresh.add_argument("-r", dest="returns", type=_names, default=[], metavar="NAME,NAME",
-                       help="names the cell defines, brought back into this kernel")
-    fresh.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
-                       help="stop the process after S seconds (default 600)")
+    fresh.add_argument("-r", dest="returns", type=_names, action="append", default=[], metavar="NAME,NAME",
+                       help="names the cell defines, brought back into this kernel (repeatable)")
+    fresh.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
+                       help="stop the process (and what it started) after S seconds (default 600; none: no limit)")
     return line, cell, fresh
 
 
@@ -172,7 +213,14 @@ _SETUP_OPTIONS = ("growth", "force_growth", "limit_mb", "split", "gpus", "alloca
 
 def _parse(parser: MagicArgumentParser, text: str):
     try:
-        return parser.parse_argstring(text)
+        # Split as a shell would on POSIX: --keep "/a folder" is the folder, without its quotes.
+        try:
+            argv = arg_split(text, posix=os.name == "posix", strict=True)
+        except ValueError as exc:
+            raise UsageError(f"cannot split the options ({exc})") from None
+        args = parser.parse_args(argv)
+        args.__dict__.pop("_given", None)
+        return args
     except UsageError as exc:
         magic = {id(_LINE_PARSER): "%tfmem", id(_FRESH_PARSER): "%%tfmem fresh"}.get(id(parser), "%%tfmem")
         raise UsageError(f"{magic}: {exc}. See %tfmem? for the options.") from None
@@ -277,8 +325,13 @@ class TfmemMagics(Magics):
         from .fresh import FreshRunError, run_fresh
 
         options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        returns = list(dict.fromkeys(name for names in args.returns for name in names))
+        names = [name for name, _ in args.env]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise UsageError(f"%%tfmem fresh: --env {twice[0]} given twice: give it once.")
         try:
-            run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=args.returns,
+            run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=returns,
                             timeout=args.timeout, path=args.path)
         except (SetupError, FreshRunError) as exc:
             raise UsageError(f"%%tfmem fresh: {exc}") from None

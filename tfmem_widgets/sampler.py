@@ -21,6 +21,22 @@ from .measure import process_peak, read_allocator
 from .runtime import lab_limit_bytes, logical_devices, physical_gpus, runtime_started
 
 DEFAULT_INTERVAL = 0.5
+MIN_INTERVAL = 0.01  # a reading takes about a millisecond: faster would be a busy loop
+MAX_INTERVAL = 3600.0
+
+
+def check_interval(interval) -> float:
+    """Seconds between readings, MIN_INTERVAL to MAX_INTERVAL; anything else is refused in one line."""
+    import numbers
+
+    if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
+        raise SetupError(f"the interval must be a number of seconds, got {interval!r}.")
+    value = float(interval)
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:
+        raise SetupError(
+            f"the interval must be between {MIN_INTERVAL:g} and {MAX_INTERVAL:g} seconds, got {interval!r}."
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -152,6 +168,7 @@ class Sampler:
         self._next_token = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._changed = threading.Event()  # a subscriber came or went: the shortest interval may differ
         self.errors = 0  # callbacks that raised (kept out of the user's log)
 
     @property
@@ -159,12 +176,12 @@ class Sampler:
         return self._thread is not None and self._thread.is_alive()
 
     def subscribe(self, callback: Callable[[Sample], None], interval: float = DEFAULT_INTERVAL) -> int:
-        if not interval > 0:
-            raise SetupError(f"the interval must be a positive number of seconds, got {interval!r}.")
+        interval = check_interval(interval)
         with self._lock:
             token = self._next_token
             self._next_token += 1
-            self._subscribers[token] = (callback, float(interval))
+            self._subscribers[token] = (callback, interval)
+            self._changed.set()
             if not self.running:
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="tfmem-sampler", daemon=True)
@@ -174,6 +191,7 @@ class Sampler:
     def unsubscribe(self, token: int) -> None:
         with self._lock:
             self._subscribers.pop(token, None)
+            self._changed.set()
             last = not self._subscribers
             thread = self._thread
         if last and thread is not None:
@@ -185,6 +203,7 @@ class Sampler:
             self._subscribers.clear()
             thread, self._thread = self._thread, None
         self._stop.set()
+        self._changed.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -193,7 +212,20 @@ class Sampler:
             return min((i for _, i in self._subscribers.values()), default=DEFAULT_INTERVAL)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval()):
+        while True:
+            # Wait the shortest interval, but wake when subscribers change (a 0.1 s gauge made
+            # after a 600 s one must not wait 600 s for its first background reading).
+            self._changed.clear()
+            deadline = time.monotonic() + self._interval()
+            while not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if self._changed.wait(left):
+                    self._changed.clear()
+                    deadline = min(deadline, time.monotonic() + self._interval())
+            if self._stop.is_set():
+                return
             try:
                 sample = read_sample(background=True)
             except Exception:

@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from .runtime import (
     logical_devices,
     physical_gpus,
     runtime_started,
+    setup_env,
     tensorflow,
 )
 from .units import format_bytes
@@ -78,7 +80,7 @@ def _oom_info(exc: BaseException, dump_text: str) -> OomInfo | None:
 def _allocator_growth() -> dict[str, bool]:
     """Whether each allocator grows its pool (lab mode always does)."""
     growth = {LAB_ALLOCATOR_NAME: True}
-    forced = os.environ.get(FORCE_GROWTH_ENV, "") == "true"
+    forced = setup_env().get(FORCE_GROWTH_ENV) == "true"
     gpus = {g.index: g for g in physical_gpus()}
     for device in logical_devices(list(gpus.values())):
         if device.device_type == "GPU":
@@ -93,7 +95,8 @@ class Trace:
 
     def __init__(self, events: dict[str, AllocatorEvents], fresh: bool, growth: dict[str, bool],
                  oom: OomInfo | None = None, dumps: dict[str, AllocatorMap] | None = None,
-                 text_dump: AllocatorMap | None = None, logdir: str | None = None, log: str = ""):
+                 text_dump: AllocatorMap | None = None, logdir: str | None = None, log: str = "",
+                 notes: tuple[str, ...] = ()):
         self._events = events
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
@@ -102,7 +105,13 @@ class Trace:
         self.text_dump = text_dump
         self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
         self.log = log  # what TensorFlow wrote to file descriptor 2 during the block
+        self.notes = tuple(notes)  # what the trace had to leave out, and why
         self._replays: dict[str, Replay] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_replays"] = {}  # a cache, rebuilt on demand
+        return state
 
     # -- which allocator ---------------------------------------------------------------
     @property
@@ -242,7 +251,8 @@ class Trace:
     # -- text ----------------------------------------------------------------------------
     def __repr__(self) -> str:
         if not self._events:
-            return "tfmem trace: no allocator events (nothing allocated through a BFC allocator)"
+            return "\n".join(["tfmem trace: no allocator events (nothing allocated through a BFC allocator)"]
+                             + [f"note: {n}" for n in self.notes])
         lines = []
         for name in self.allocators:
             e = self._events[name]
@@ -258,6 +268,7 @@ class Trace:
         if self.oom:
             lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
             lines.append(repr(self.map(allocator=self.oom.allocator)))
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle):
@@ -327,33 +338,61 @@ class _StderrCapture:
     """File descriptor 2 into a temporary file for the block; shown again afterwards."""
 
     def __init__(self):
-        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._file = None
         self._saved = None
 
     def start(self):
         sys.stderr.flush()
+        self._file = tempfile.TemporaryFile(mode="w+b")
         self._saved = os.dup(2)
         os.dup2(self._file.fileno(), 2)
 
     def stop(self) -> str:
-        if self._saved is None:
-            return ""
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
-        self._saved = None
-        self._file.seek(0)
-        data = self._file.read()
-        self._file.close()
+        """Fd 2 back where it was; what was captured, shown again and returned. Idempotent."""
+        data = b""
+        try:
+            if self._saved is not None:
+                try:
+                    sys.stderr.flush()
+                except Exception:
+                    pass
+                os.dup2(self._saved, 2)
+                os.close(self._saved)
+                self._saved = None
+                self._file.seek(0)
+                data = self._file.read()
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
         if data:
             os.write(2, data)  # the user still sees what TensorFlow logged
         return data.decode(errors="replace")
 
 
+# The dump prefix a running trace set in the environment (so a child process can leave it out).
+_owned_dump_prefix: str | None = None
+
+
+def owned_dump_prefix() -> str | None:
+    """TF_BFC_MEMORY_DUMP as a running trace set it, or None (a user's own value is theirs)."""
+    return _owned_dump_prefix
+
+
+def _profiler_stop_quietly() -> None:
+    try:
+        tensorflow().profiler.experimental.stop()
+    except Exception:
+        pass
+
+
 class trace:
     """``with trace() as t:`` records every allocator event of the block.
 
-    keep: a folder to keep the profiler's files in (they are deleted otherwise).
+    keep: a folder to keep the profiler's files in; each trace makes a new folder of its own
+    inside it (``t.logdir``) and reads only what it made (the files are deleted otherwise).
+    TF_BFC_MEMORY_DUMP set by the user is left as it is: TensorFlow's dumps land where they
+    asked, and the trace reads the ones written during the block.
     An exception in the block (an OOM, Ctrl-C) stops the profiler, keeps what was captured
     in ``t`` and propagates.
 
@@ -363,77 +402,166 @@ class trace:
     """
 
     def __init__(self, keep: str | Path | None = None):
-        self.keep = None if keep is None else Path(keep)
+        if keep is not None and not isinstance(keep, (str, os.PathLike)):
+            raise SetupError(f"keep must be a folder's path, got {keep!r}.")
+        if keep is not None and not str(keep).strip():
+            raise SetupError("keep must name a folder, got an empty path.")
+        self.keep = None if keep is None else Path(keep).expanduser()
         self.result: Trace | None = None
+        self._held = False  # the one-trace lock
+        self._logdir: str | None = None
+        self._made_logdir = False
+        self._dump_env_set = False
+        self._previous_dump_env: str | None = None
+        self._stderr: _StderrCapture | None = None
+        self._profiling = False
 
+    # -- entering: each step undone if a later one fails (or Ctrl-C comes) ----------------
     def __enter__(self) -> "trace":
+        if self._held or self.result is not None:
+            raise SetupError("this trace() block has already run; make a new one for each block.")
         if not _active.acquire(blocking=False):
             raise SetupError("a trace is already running: traces cannot nest (TensorFlow runs one profiler per process).")
+        self._held = True
         try:
-            if os.environ.get(GPU_ALLOCATOR_ENV) == "cuda_malloc_async" and lab_limit_bytes() is None:
-                raise SetupError(
-                    "TF_GPU_ALLOCATOR=cuda_malloc_async: GPU memory is CUDA's pool, not TensorFlow's BFC "
-                    "allocator, so there are no chunks to trace; %%tfmem measures it."
-                )
-            self._fresh = not runtime_started()
-            self._growth = _allocator_growth()
-            if self.keep is not None:
-                self.keep.mkdir(parents=True, exist_ok=True)
-                self._logdir = str(self.keep)
-            else:
-                self._logdir = tempfile.mkdtemp(prefix="tfmem-trace-")
-            self._dump_prefix = os.path.join(self._logdir, "bfc_dump")
-            self._previous_dump_env = os.environ.get(DUMP_ENV)
-            os.environ[DUMP_ENV] = self._dump_prefix
-            self._stderr = _StderrCapture()
-            self._stderr.start()
-            try:
-                tensorflow().profiler.experimental.start(self._logdir)
-            except Exception as exc:
-                self._stderr.stop()
-                self._restore_env()
-                raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: {exc}); "
-                                 "is another profiler running?") from None
+            self._start()
         except BaseException:
-            _active.release()
+            self._release()
             raise
         return self
 
-    def _restore_env(self):
-        if self._previous_dump_env is None:
-            os.environ.pop(DUMP_ENV, None)
+    def _start(self) -> None:
+        global _owned_dump_prefix
+        env = setup_env()
+        if env.get(GPU_ALLOCATOR_ENV) == "cuda_malloc_async" and lab_limit_bytes() is None:
+            raise SetupError(
+                "TF_GPU_ALLOCATOR=cuda_malloc_async: GPU memory is CUDA's pool, not TensorFlow's BFC "
+                "allocator, so there are no chunks to trace; %%tfmem measures it."
+            )
+        self._fresh = not runtime_started()
+        self._growth = _allocator_growth()
+        self._logdir = self._make_logdir()
+        self._made_logdir = True
+        user_prefix = os.environ.get(DUMP_ENV)
+        if user_prefix:
+            # The user's own dump place: leave it, and read only the dumps written during the block.
+            self._dump_prefix = user_prefix
+            self._dumps_before = set(glob.glob(glob.escape(user_prefix) + "_*"))
         else:
-            os.environ[DUMP_ENV] = self._previous_dump_env
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
+            self._dump_prefix = os.path.join(self._logdir, "bfc_dump")
+            self._dumps_before = set()
+            self._previous_dump_env = os.environ.get(DUMP_ENV)
+            self._dump_env_set = True
+            os.environ[DUMP_ENV] = self._dump_prefix
+            _owned_dump_prefix = self._dump_prefix
+        self._stderr = _StderrCapture()
+        self._stderr.start()
+        self._profiling = True
         try:
+            tensorflow().profiler.experimental.start(self._logdir)
+        except Exception as exc:
+            self._profiling = False  # not ours to stop: another profiler may be running
+            raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); is another profiler running?") from None
+
+    def _make_logdir(self) -> str:
+        if self.keep is None:
+            return tempfile.mkdtemp(prefix="tfmem-trace-")
+        try:
+            self.keep.mkdir(parents=True, exist_ok=True)
+            # A folder of this trace's own: an earlier trace's files in `keep` are never read.
+            return tempfile.mkdtemp(prefix=time.strftime("trace-%Y%m%d-%H%M%S-"), dir=self.keep)
+        except OSError as exc:
+            raise SetupError(
+                f"cannot keep the trace in {str(self.keep)!r}: {exc.strerror or exc}; name a folder you can write to."
+            ) from None
+
+    # -- leaving ------------------------------------------------------------------------
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self._held:
+            return False
+        try:
+            self.result = self._finish(exc)
+        finally:
+            self._release()
+        return False
+
+    def _finish(self, exc: BaseException | None) -> Trace:
+        notes = []
+        if self._profiling:
             try:
                 tensorflow().profiler.experimental.stop()
-            finally:
-                logged = self._stderr.stop()
-                self._restore_env()
-            files = sorted(glob.glob(os.path.join(self._logdir, "plugins", "profile", "*", "*.xplane.pb")))
-            events: dict[str, AllocatorEvents] = {}
-            for path in files:
-                events.update(read_xplane_file(path))
-            dumps = {}
-            for path in sorted(glob.glob(self._dump_prefix + "_*")):
-                dump = load_memory_dump(path)  # several per OOM, one per retry: the last wins
-                dumps[dump.allocator] = dump
-            text_dump = None
-            if "Next region of size" in logged:
-                try:
-                    text_dump = parse_bfc_dump(logged)
-                except TraceDataError:
-                    text_dump = None  # the binary dump is the exact record; the log is a fallback
-            oom = _oom_info(exc, logged) if exc is not None else None
-            self.result = Trace(events, self._fresh, self._growth, oom, dumps, text_dump,
-                                logdir=self._logdir if self.keep is not None else None, log=logged)
+            except Exception as stop_error:
+                notes.append(
+                    "TensorFlow's profiler was stopped inside the block (tf.profiler.experimental.stop()): "
+                    "events after that are missing" if "No profiler is running" in str(stop_error)
+                    else f"TensorFlow's profiler did not stop cleanly ({type(stop_error).__name__})"
+                )
+            self._profiling = False
+        logged = self._stderr.stop()
+        self._restore_env()
+        files = sorted(glob.glob(os.path.join(glob.escape(self._logdir), "plugins", "profile", "*", "*.xplane.pb")))
+        if not files and notes:
+            raise TraceDataError(f"no trace was written: {notes[0]}; leave the profiler to %%tfmem trace.")
+        events: dict[str, AllocatorEvents] = {}
+        for path in files:
+            events.update(read_xplane_file(path))
+        dumps = {}
+        for path in sorted(set(glob.glob(glob.escape(self._dump_prefix) + "_*")) - self._dumps_before):
+            try:
+                dump = load_memory_dump(path)
+            except TraceDataError as error:
+                notes.append(f"a dump was left out: {error}")
+                continue
+            if not _dump_fits_events(dump, events):
+                notes.append(f"{path} was left out: its allocator's state matches no moment of this trace "
+                             "(written by another process)")
+                continue
+            dumps[dump.allocator] = dump  # several per OOM, one per retry: the last wins
+        text_dump = None
+        if "Next region of size" in logged:
+            try:
+                text_dump = parse_bfc_dump(logged)
+            except TraceDataError:
+                text_dump = None  # the binary dump is the exact record; the log is a fallback
+        oom = _oom_info(exc, logged) if exc is not None else None
+        return Trace(events, self._fresh, self._growth, oom, dumps, text_dump,
+                     logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
+
+    def _restore_env(self) -> None:
+        global _owned_dump_prefix
+        if self._dump_env_set:
+            if self._previous_dump_env is None:
+                os.environ.pop(DUMP_ENV, None)
+            else:
+                os.environ[DUMP_ENV] = self._previous_dump_env
+            self._dump_env_set = False
+            _owned_dump_prefix = None
+
+    def _release(self) -> None:
+        """Undo whatever is still held, in reverse order; safe to call on any path, twice."""
+        try:
+            if self._profiling:
+                self._profiling = False
+                _profiler_stop_quietly()
         finally:
-            if self.keep is None:
-                shutil.rmtree(self._logdir, ignore_errors=True)
-            _active.release()
-        return False
+            try:
+                if self._stderr is not None:
+                    self._stderr.stop()
+            finally:
+                try:
+                    self._restore_env()
+                finally:
+                    try:
+                        if self._made_logdir and self.keep is None and self._logdir is not None:
+                            shutil.rmtree(self._logdir, ignore_errors=True)
+                        elif self._made_logdir and self.result is None and self._logdir is not None:
+                            shutil.rmtree(self._logdir, ignore_errors=True)  # a refused or failed kept trace
+                        self._made_logdir = False
+                    finally:
+                        if self._held:
+                            self._held = False
+                            _active.release()
 
     # The block's `as` target is this object; its figures live in the Trace.
     def __getattr__(self, name):
@@ -447,3 +575,12 @@ class trace:
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
+
+
+def _dump_fits_events(dump: AllocatorMap, events: dict[str, AllocatorEvents]) -> bool:
+    """Whether a dump's in-use total is one the trace's allocator had at some moment."""
+    allocator_events = events.get(dump.allocator)
+    if allocator_events is None or not len(allocator_events):
+        return True  # nothing to check it against
+    in_use = sum(c.size for c in dump.chunks if c.in_use)
+    return bool(in_use == allocator_events.in_use_before() or np.any(allocator_events.in_use == in_use))

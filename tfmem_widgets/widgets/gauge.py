@@ -13,7 +13,7 @@ from collections import deque
 
 import ipywidgets as w
 
-from ..sampler import DEFAULT_INTERVAL, Sample, read_sample, sampler
+from ..sampler import DEFAULT_INTERVAL, Sample, check_interval, read_sample, sampler
 from ..units import format_bytes
 from .text_form import FullTextForm
 
@@ -46,6 +46,12 @@ class Gauge(FullTextForm, w.VBox):
     """
 
     def __init__(self, interval: float = DEFAULT_INTERVAL, device: str | None = None, **kwargs):
+        interval = check_interval(interval)  # refused before any widget or thread exists
+        if device is not None and not isinstance(device, str):
+            from ..errors import SetupError
+
+            raise SetupError(f"device must be a device's name such as 'GPU:0', got {device!r}.")
+        self._token = None
         super().__init__(**kwargs)
         self.interval = interval
         self.device = device
@@ -66,8 +72,12 @@ class Gauge(FullTextForm, w.VBox):
         self._shown_at = 0.0
         self.add_class("tfmem-gauge")
         self._token = sampler.subscribe(self._on_sample, interval)
-        _live.add(self)
-        self.refresh()
+        try:
+            _live.add(self)
+            self.refresh()
+        except BaseException:
+            self.close()  # no subscription or widget left behind
+            raise
 
     # -- updates ------------------------------------------------------------------------
     def refresh(self) -> None:

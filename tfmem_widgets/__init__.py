@@ -71,6 +71,9 @@ def _after_cell(result=None):
     gauge = sys.modules.get("tfmem_widgets.widgets.gauge")
     if gauge is not None:
         gauge.refresh_all()
+    panel = sys.modules.get("tfmem_widgets.widgets.setup_panel")
+    if panel is not None:
+        panel.refresh_all()
 
 
 def load_ipython_extension(ipython):

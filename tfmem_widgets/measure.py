@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .errors import SetupError
-from .runtime import lab_limit_bytes, resolve_device, tensorflow
+from .runtime import lab_limit_bytes, resolve_device, runtime_started, tensorflow
 from .units import format_bytes, format_exact
 
 _lock = threading.RLock()
@@ -63,6 +63,7 @@ class Measurement:
     end_bytes: int | None = None
     highest_bytes: int | None = None  # absolute: the allocator's in-use figure at its highest
     error: str | None = None  # the exception that ended the block, if one did
+    no_runtime: bool = False  # the block did no TensorFlow work: its runtime never started
     _highest: int = field(default=0, repr=False)
 
     @property
@@ -85,6 +86,9 @@ class Measurement:
     def __repr__(self) -> str:
         if not self.done:
             return f"<tfmem measurement of {self._where()}: running>"
+        if self.no_runtime:
+            return (f"tfmem {self.device}: no TensorFlow work, nothing measured (TensorFlow's runtime has not "
+                    "started, so %tfmem setup is still possible)")
         text = (
             f"tfmem {self._where()}: peak {format_bytes(self.peak_bytes, signed=True)} "
             f"({format_exact(self.peak_bytes, signed=True)}), net {format_bytes(self.delta_bytes, signed=True)} "
@@ -126,27 +130,45 @@ class measure:
 
     def __enter__(self) -> Measurement:
         m = self.result
-        if m in _active:
-            raise SetupError("this measure() block is already running; make a new one for each block.")
+        if m in _active or m.done:
+            raise SetupError("this measure() block has already run; make a new one for each block.")
         with _lock:
-            current, peak = read_allocator(m.device)
-            m.lab_limit_bytes = lab_limit_bytes()
-            _reset_peak(m.device, peak)
-            m.start_bytes = m._highest = current
+            if not runtime_started():
+                # Reading would start the runtime (and end the chance to set devices up). A
+                # runtime that starts inside the block has a new allocator: from zero, and its
+                # peak counter covers the whole block.
+                m.start_bytes = m._highest = 0
+                m.lab_limit_bytes = lab_limit_bytes()
+                self._started_inside = True
+            else:
+                current, peak = read_allocator(m.device)
+                m.lab_limit_bytes = lab_limit_bytes()
+                _reset_peak(m.device, peak)
+                m.start_bytes = m._highest = current
+                self._started_inside = False
             _active.append(m)
         return m
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         m = self.result
         with _lock:
-            _active.remove(m)
-            current, peak = read_allocator(m.device)
-            m.end_bytes = current
-            m.highest_bytes = max(m._highest, peak, current)
-            for outer in _active:
-                if outer.device == m.device:
-                    outer._highest = max(outer._highest, m.highest_bytes)
-            _process_peak_seen[m.device] = max(_process_peak_seen.get(m.device, 0), m.highest_bytes)
+            try:
+                _active.remove(m)
+            except ValueError:
+                pass
+            if self._started_inside and not runtime_started():
+                m.end_bytes = m.highest_bytes = 0
+                m.no_runtime = True
+            else:
+                current, peak = read_allocator(m.device)
+                m.end_bytes = current
+                m.highest_bytes = max(m._highest, peak, current)
+                for outer in _active:
+                    if outer.device == m.device:
+                        outer._highest = max(outer._highest, m.highest_bytes)
+                _process_peak_seen[m.device] = max(_process_peak_seen.get(m.device, 0), m.highest_bytes)
+                if self._started_inside:
+                    m.lab_limit_bytes = lab_limit_bytes()  # as TensorFlow read it when it started
         if exc_type is not None:
             m.error = exc_type.__name__
         return False

@@ -6,6 +6,7 @@ conflict, with its reason, or the exact TensorFlow code Apply will run.
 
 from __future__ import annotations
 
+import weakref
 from html import escape
 
 import ipywidgets as w
@@ -13,11 +14,12 @@ import ipywidgets as w
 from ..device_setup import current_state, setup
 from ..errors import SetupError
 from ..plan import DEFAULT_LAB_MB, SetupRequest, plan_setup
-from ..runtime import lab_limit_bytes
+from ..runtime import lab_limit_bytes, runtime_started
 from ..units import MiB
 from .text_form import FullTextForm
 
 _AS_IS = "as it is"
+_live: "weakref.WeakSet[SetupPanel]" = weakref.WeakSet()
 
 
 class SetupPanel(FullTextForm, w.VBox):
@@ -30,6 +32,7 @@ class SetupPanel(FullTextForm, w.VBox):
         """state: the machine to plan for (a plan.DeviceState); by default this process's."""
         super().__init__(**kwargs)
         self.add_class("tfmem-setup-panel")
+        self._own_state = state is None  # this process's: read again once its runtime starts
         self.state = current_state() if state is None else state
         gpus = self.state.gpus
         totals = [m.total_bytes // MiB for m in self.state.gpu_memory.values() if m is not None]
@@ -80,6 +83,14 @@ class SetupPanel(FullTextForm, w.VBox):
             control.observe(self._changed, names="value")
         self.apply_button.on_click(lambda _: self.apply())
         self._changed()
+        if self._own_state:
+            _live.add(self)
+
+    def refresh(self) -> None:
+        """Read the process's state again if its runtime started since (after each cell)."""
+        if self._own_state and not self.state.runtime_started and runtime_started():
+            self.state = current_state()
+            self._changed()
 
     # -- the request the controls describe ------------------------------------------------
     def request(self) -> SetupRequest:
@@ -105,6 +116,8 @@ class SetupPanel(FullTextForm, w.VBox):
         )
 
     def _changed(self, change=None) -> None:
+        if self._own_state and not self.state.runtime_started and runtime_started():
+            self.state = current_state()  # the runtime started since the panel was made
         self.lab_mb.disabled = not self.lab.value
         started = self.state.runtime_started
         try:
@@ -151,6 +164,12 @@ class SetupPanel(FullTextForm, w.VBox):
 
     def __repr__(self) -> str:
         return "tfmem setup panel: " + _text(self.message.value)
+
+
+def refresh_all() -> None:
+    """After each cell: panels of this process follow its runtime's start."""
+    for panel in list(_live):
+        panel.refresh()
 
 
 def _text(html: str) -> str:

@@ -128,3 +128,29 @@ def test_without_lab_mode_the_cpu_figures_carry_a_warning():
         """
     )
     assert "not lab mode" in out["text"]
+
+
+def test_a_first_cell_without_tensorflow_work_leaves_the_runtime_unstarted_and_panels_follow_it():
+    out = run_fresh(FRESH_SHELL + textwrap.dedent(
+        """
+        import io, json, contextlib
+        import tfmem_widgets
+        from tfmem_widgets.runtime import runtime_started
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            ip.run_cell_magic("tfmem", "", "x = 1 + 1")       # no TensorFlow work
+        measured = buffer.getvalue()
+        started_after_cell = runtime_started()
+        panel = tfmem_widgets.SetupPanel()
+        panel.lab.value, panel.lab_mb.value = True, 64
+        allowed_before = not panel.apply_button.disabled
+        ip.run_line_magic("tfmem", "setup --lab 64")          # still possible
+        ip.run_cell("import tensorflow as tf\\nwith tf.device('CPU:0'):\\n    y = tf.zeros((10,))")
+        panel.lab_mb.value = 128
+        print(json.dumps({"measured": measured, "started_after_cell": started_after_cell,
+                          "allowed_before": allowed_before, "allowed_after": not panel.apply_button.disabled,
+                          "panel_says": repr(panel), "result": panel.result.value}))
+        """))
+    assert "no TensorFlow work" in out["measured"] and not out["started_after_cell"]
+    assert out["allowed_before"] and not out["allowed_after"]
+    assert "already started" in out["panel_says"] or "already started" in out["result"]

@@ -227,3 +227,14 @@ def test_as_magic_round_trips_every_option():
         "%tfmem setup --lab 64 --gpus 0,1 --no-growth --force-growth --limit 0=1024,1=2048 "
         "--allocator bfc --reserve 0 --cpus 2"
     )
+
+
+def test_numpy_integers_are_whole_numbers():
+    import numpy as np
+
+    request = SetupRequest(lab_mb=np.int64(64), cpus=np.int32(2), split=np.array([2048, 2048]),
+                           gpus=(np.int64(0),), limit_mb={np.int64(0): np.int64(4096)})
+    assert request.lab_mb == 64 and type(request.lab_mb) is int and request.cpus == 2
+    assert request.split == [2048, 2048] and request.gpus == [0] and request.limit_mb == {0: 4096}
+    with pytest.raises(SetupError, match="whole number"):
+        SetupRequest(lab_mb=np.float64(64))

@@ -212,6 +212,12 @@ def test_map_at_a_moment_outside_the_trace_is_refused(lab_session):
             tf.zeros((10,))
     with pytest.raises(tfmem_widgets.SetupError, match="outside this trace"):
         t.map(at=10_000, allocator=CPU)
+    for bad in ("bogus", 1.7, True, [0]):  # not an index: refused, never rounded to one
+        with pytest.raises(tfmem_widgets.SetupError, match="an event's index"):
+            t.map(at=bad, allocator=CPU)
+    import numpy as np
+
+    assert t.map(at=np.int64(0), allocator=CPU) == t.map(at=0, allocator=CPU)
     with pytest.raises(tfmem_widgets.SetupError, match="no events of allocator"):
         t.map(allocator="GPU_7_bfc")
 

@@ -153,22 +153,22 @@ class measure:
         m = self.result
         with _lock:
             try:
-                _active.remove(m)
-            except ValueError:
-                pass
-            if self._started_inside and not runtime_started():
-                m.end_bytes = m.highest_bytes = 0
-                m.no_runtime = True
-            else:
-                current, peak = read_allocator(m.device)
-                m.end_bytes = current
-                m.highest_bytes = max(m._highest, peak, current)
-                for outer in _active:
-                    if outer.device == m.device:
-                        outer._highest = max(outer._highest, m.highest_bytes)
-                _process_peak_seen[m.device] = max(_process_peak_seen.get(m.device, 0), m.highest_bytes)
-                if self._started_inside:
-                    m.lab_limit_bytes = lab_limit_bytes()  # as TensorFlow read it when it started
+                if self._started_inside and not runtime_started():
+                    m.end_bytes = m.highest_bytes = 0
+                    m.no_runtime = True
+                else:
+                    current, peak = read_allocator(m.device)
+                    m.end_bytes = current
+                    m.highest_bytes = max(m._highest, peak, current)
+                    for outer in _active:
+                        if outer is not m and outer.device == m.device:
+                            outer._highest = max(outer._highest, m.highest_bytes)
+                    _process_peak_seen[m.device] = max(_process_peak_seen.get(m.device, 0), m.highest_bytes)
+                    if self._started_inside:
+                        m.lab_limit_bytes = lab_limit_bytes()  # as TensorFlow read it when it started
+            finally:
+                if m in _active:
+                    _active.remove(m)
         if exc_type is not None:
             m.error = exc_type.__name__
         return False

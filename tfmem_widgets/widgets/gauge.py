@@ -52,11 +52,11 @@ class Gauge(FullTextForm, w.VBox):
 
             raise SetupError(f"device must be a device's name such as 'GPU:0', got {device!r}.")
         self._token = None
+        self._lock = threading.Lock()
         super().__init__(**kwargs)
         self.interval = interval
         self.device = device
         self.samples = 0
-        self._lock = threading.Lock()
         self._rows: dict[str, dict[str, w.Widget]] = {}
         self._history: deque[int] = deque(maxlen=_HISTORY)
         self._title = w.HTML("<b>TensorFlow memory</b>")
@@ -177,6 +177,8 @@ class Gauge(FullTextForm, w.VBox):
 
     def stop(self) -> None:
         """Stop updating (the widget stays, showing the last figures)."""
+        if "_lock" not in self.__dict__:
+            return  # refused before it was made: nothing runs
         with self._lock:
             token, self._token = self._token, None
         if token is not None:

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tfmem_widgets import Trace, TraceDataError, load_memory_dump, parse_bfc_dump
-from tfmem_widgets.trace import _checksum
 
 from conftest import run_fresh
 
@@ -149,6 +148,8 @@ def test_a_missing_dump_file_is_one_line(tmp_path):
 # -- the saved trace (fault 7) --------------------------------------------------------------------
 
 def resign(data):
+    from tfmem_widgets.trace import _checksum
+
     data = {k: v for k, v in data.items() if k != "sha256"}
     data["sha256"] = _checksum(data)
     return data

@@ -12,7 +12,13 @@ import pytest
 
 from conftest import FRESH_SHELL, finish_fresh, run_fresh, start_fresh
 from tfmem_widgets.plan import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
-from tfmem_widgets.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV, lab_setting
+from tfmem_widgets.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV
+
+
+def lab_setting(environment):
+    from tfmem_widgets.runtime import lab_setting
+
+    return lab_setting(environment)
 from tfmem_widgets.units import GiB
 
 

@@ -71,7 +71,7 @@ class State:
             out.append(f"file descriptors left open: {sorted(extra)}")
         if trace_module._active.locked():
             out.append("the trace lock is held")
-        if trace_module.owned_dump_prefix() is not None:
+        if getattr(trace_module, "owned_dump_prefix", lambda: None)() is not None:
             out.append("a dump prefix is still owned")
         if measure_module._active:
             out.append("a measurement is still active")
@@ -126,8 +126,8 @@ def test_an_interrupt_at_each_step_of_starting_a_trace_leaves_nothing(warm):
 
     def finish():
         block = held.pop("block", None)
-        if block is not None and block._held:
-            block.__exit__(None, None, None)
+        if block is not None and block.__dict__.get("_held"):
+            block.__exit__(None, None, None)  # entered whole: leave it
 
     sites = check_every_step(TRACE_STEPS, enter, finish=finish)
     assert any(site[3] == "start" for site in sites), "the profiler's start is one of the steps"

@@ -227,3 +227,20 @@ def test_a_missing_or_binary_trace_file_is_one_line(tmp_path):
     path = tmp_path / "binary.json"
     path.write_bytes(os.urandom(64) + b"\xff")
     refused(Trace.load, path)
+
+
+def test_an_oom_whose_allocator_made_no_other_move_in_the_block_still_shows_the_dump(real):
+    # On a GPU a single too-large tensor leaves no event in the GPU's allocator (its shape lives on
+    # the host), only TensorFlow's dump: seen on the H200.
+    from tfmem_widgets.trace import OomInfo
+
+    dump = load_memory_dump(real["dump"])
+    oom = OomInfo(dump.allocator, "OOM when allocating tensor with shape[629145600] and type float", 2516582400)
+    t = Trace({}, False, {}, oom=oom, dumps={dump.allocator: dump})
+    m = t.map()
+    assert chunks(m) == chunks(dump) and m.failed_request_bytes == 2516582400
+    assert any("no allocation in this allocator" in n for n in m.notes)
+    text = repr(t)
+    assert "no allocator events" in text and f"OOM in {dump.allocator}" in text and "failed request" in text
+    with pytest.raises(TraceDataError):
+        t.events()

@@ -191,7 +191,23 @@ class Trace:
     def allocators(self) -> list[str]:
         return sorted(self._events, key=lambda n: (not n.startswith("GPU"), n))
 
-    def _name(self, allocator: str | None) -> str:
+    def _dump_of(self, name: str) -> AllocatorMap | None:
+        if name in self.dumps:
+            return self.dumps[name]
+        if self.text_dump is not None and self.text_dump.allocator == name:
+            return self.text_dump
+        return None
+
+    def _name(self, allocator: str | None, dump_ok: bool = False) -> str:
+        if dump_ok:
+            # An OOM whose failed request was the allocator's only move in the block (a GPU with a
+            # single too-large tensor): no events, but TensorFlow's dump of it.
+            if allocator is None and self.oom is not None and self._dump_of(self.oom.allocator) is not None:
+                return self.oom.allocator
+            if allocator is not None and allocator not in self._events and self._dump_of(allocator) is not None:
+                return allocator
+            if allocator is None and not self._events and (self.dumps or self.text_dump is not None):
+                return next(iter(self.dumps)) if self.dumps else self.text_dump.allocator
         if not self._events:
             raise TraceDataError(
                 "the trace holds no allocator events: nothing in the block allocated through a BFC "
@@ -233,7 +249,18 @@ class Trace:
         whole = isinstance(at, numbers.Integral) and not isinstance(at, bool)
         if not (at is None or whole or (isinstance(at, str) and at == "peak")):
             raise SetupError(f"at must be an event's index (an int), 'peak' or None, got {at!r}.")
-        name = self._name(allocator)
+        name = self._name(allocator, dump_ok=at is None)
+        if name not in self._events:
+            dump = self._dump_of(name)
+            return AllocatorMap(
+                allocator=name, chunks=dump.chunks, regions=dump.regions, source=dump.source,
+                complete=dump.complete, limit_bytes=dump.limit_bytes,
+                reported_fragmentation=dump.reported_fragmentation,
+                failed_request_bytes=self.oom.request_bytes if self.oom and self.oom.allocator == name
+                else dump.failed_request_bytes,
+                notes=dump.notes + ("the block made no allocation in this allocator before the failed one: "
+                                    "TensorFlow's dump as it is, without the trace's ops",),
+            )
         events = self._events[name]
         if at == "peak":
             at = self.peak_index(name)
@@ -328,10 +355,9 @@ class Trace:
 
     # -- text ----------------------------------------------------------------------------
     def __repr__(self) -> str:
-        if not self._events:
-            return "\n".join(["tfmem trace: no allocator events (nothing allocated through a BFC allocator)"]
-                             + [f"note: {n}" for n in self.notes])
         lines = []
+        if not self._events:
+            lines.append("tfmem trace: no allocator events (nothing allocated through a BFC allocator)")
         for name in self.allocators:
             e = self._events[name]
             peak = self.peak_index(name)
@@ -345,7 +371,8 @@ class Trace:
                 lines.append(f"  traced after earlier work: {format_bytes(e.in_use_before())} from before the trace")
         if self.oom:
             lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
-            lines.append(repr(self.map(allocator=self.oom.allocator)))
+            if self.oom.allocator in self._events or self._dump_of(self.oom.allocator) is not None:
+                lines.append(repr(self.map(allocator=self.oom.allocator)))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -81,6 +81,13 @@ def test_a_refused_setup_is_one_line_and_runs_nothing(shell, capsys):
     ("fresh -r 1x", "-r: expected Python names"),
     ("fresh --lab -5", "--lab"),
     ("fresh --timeout 0", "--timeout: expected at least 0.01 seconds"),
+    # conflicting or repeated options: refused, never silently the last one
+    ("fresh --lab 64 --env TF_CPU_BFC_MEM_LIMIT_IN_MB=32", "set in env and by the setup option lab_mb"),
+    ("fresh --lab 64 --lab 128", "--lab given twice"),
+    ("fresh --env A=1 --env A=2", "--env A given twice"),
+    ("fresh --cpus 0", "expected a count of at least 1"),
+    ("fresh --split 0", "expected a count of at least 1"),
+    ('fresh --path "unclosed', "cannot split the options"),
 ])
 def test_bad_options_are_one_line(shell, line, expected):
     with pytest.raises(UsageError) as info:

@@ -190,18 +190,3 @@ def test_a_bad_setup_is_a_setup_error_here_before_any_process(setup, expected, m
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     with pytest.raises(SetupError, match=expected):
         run_fresh("x = 1", setup=setup, echo=False)
-
-
-@pytest.mark.parametrize("line, expected", [
-    ("fresh --lab 64 --env TF_CPU_BFC_MEM_LIMIT_IN_MB=32", "set in env and by the setup option lab_mb"),
-    ("fresh --lab 64 --lab 128", "--lab given twice"),
-    ("fresh --env A=1 --env A=2", "--env A given twice"),
-    ("fresh --cpus 0", "expected a count of at least 1"),
-    ("fresh --split 0", "expected a count of at least 1"),
-    ("fresh --timeout 0", "at least 0.01 seconds"),
-    ('fresh --path "unclosed', "cannot split the options"),
-])
-def test_conflicting_or_repeated_options_are_one_line(shell, line, expected):
-    with pytest.raises(UsageError) as info:
-        shell.run_cell_magic("tfmem", line, "x = 1")
-    assert expected in str(info.value) and "\n" not in str(info.value)

@@ -15,13 +15,12 @@ only possible before its runtime starts, so nothing here may start it early.
 from .allocator_map import AllocatorMap, Chunk, Region
 from .bfc_dump import load_memory_dump, parse_bfc_dump
 from .device_setup import SetupResult, setup
-from .errors import SetupError
-from .fresh import FreshRun, FreshRunError, run_fresh
+from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
+from .fresh import FreshRun, run_fresh
 from .measure import Measurement, measure
 from .report import MemoryReport, report
 from .trace import Trace, trace
 from .runtime import watch_runtime_start
-from .xplane import TraceDataError
 
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 
@@ -37,6 +36,7 @@ __all__ = [
     "trace",
     "FreshRun",
     "FreshRunError",
+    "NvmlUnavailable",
     "run_fresh",
     "Measurement",
     "MemoryReport",

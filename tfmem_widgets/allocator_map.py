@@ -30,6 +30,20 @@ class Region:
 
 
 BEFORE_TRACE = "(before the trace)"
+NO_OP = "(no op recorded)"  # a chunk whose op the profiler did not name
+
+
+def op_label(op: str) -> str:
+    """The name shown for a chunk's op."""
+    return op or NO_OP
+
+
+def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
+    """TensorFlow's fragmentation metric (BFCAllocator::GetFragmentation): the free bytes outside
+    the largest free chunk, over all free bytes; NaN when nothing is free."""
+    if free_bytes <= 0:
+        return float("nan")
+    return (free_bytes - largest_free_bytes) / free_bytes
 _CLUSTER_GAP = 1 << 20
 
 
@@ -93,17 +107,14 @@ class AllocatorMap:
         """
         if not self.complete:
             return self.reported_fragmentation
-        free = self.free_bytes
-        if free == 0:
-            return float("nan")
-        return (free - self.largest_free_bytes) / free
+        return fragmentation(self.free_bytes, self.largest_free_bytes)
 
     def by_op(self) -> dict[str, int]:
         """In-use bytes per op, largest first (memory from before the trace included)."""
         totals: dict[str, int] = defaultdict(int)
         for chunk in self.chunks:
             if chunk.in_use:
-                totals[chunk.op or "(no op recorded)"] += chunk.size
+                totals[op_label(chunk.op)] += chunk.size
         if self.before_trace_bytes:
             totals[BEFORE_TRACE] += self.before_trace_bytes
         return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -13,8 +13,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .allocator_map import AllocatorMap, Chunk, Region
-from .xplane import TraceDataError
+from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
+from .errors import TraceDataError
 
 _REGION = re.compile(r"Next region of size (\d+)")
 _CHUNK = re.compile(r"\b(InUse|Free)\s+at\s+([0-9a-fA-Fx]+)\s+of size\s+(\d+)(?:\s+by op\s+(\S+))?")
@@ -43,13 +43,6 @@ def _human(value: str, unit: str) -> tuple[float, float]:
     decimals = len(value.split(".")[1]) if "." in value else 0
     scale = _UNITS[unit]
     return float(value) * scale, 0.5 * 10 ** -decimals * scale + 1
-
-
-def fragmentation_of(chunks) -> float:
-    """TensorFlow's fragmentation metric: free bytes not in the largest free chunk, over free bytes."""
-    free = [c.size for c in chunks if not c.in_use]
-    total = sum(free)
-    return 0.0 if total == 0 else (total - max(free)) / total
 
 
 def _cross_check(chunks: list[Chunk], regions: list[Region], text: str) -> list[str]:
@@ -233,9 +226,13 @@ def _check_memory_dump(dump, chunks: list[Chunk]) -> str | None:
         return "its peak is below what is in use"
     if in_use and (stats.largest_alloc_size < max(in_use) or stats.num_allocs < len(in_use)):
         return "its statistics are incomplete"
-    if not math.isclose(stats.fragmentation_metric, fragmentation_of(chunks), rel_tol=1e-5, abs_tol=1e-6):
-        return (f"its fragmentation is {stats.fragmentation_metric:.6f}, its chunks give "
-                f"{fragmentation_of(chunks):.6f}")
+    free = [c.size for c in chunks if not c.in_use]
+    expected = fragmentation(sum(free), max(free, default=0))
+    stated = stats.fragmentation_metric
+    same = (math.isnan(expected) and (math.isnan(stated) or stated == 0)) or math.isclose(
+        stated, expected, rel_tol=1e-5, abs_tol=1e-6)
+    if not same:
+        return f"its fragmentation is {stated:.6f}, its chunks give {expected:.6f}"
     if dump.bin_summary:
         counted = Counter()
         counted_in_use = Counter()

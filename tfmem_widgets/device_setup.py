@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import psutil
 
 from . import nvml
+from .readings import driver_view
 from .plan import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
 from .runtime import logical_cpu_count, physical_gpus, runtime_started, setup_env, setup_env_changed, tensorflow
 
@@ -19,14 +20,8 @@ def current_state() -> DeviceState:
     memory: dict[int, nvml.GpuMemory | None] = {}
     note = None
     if gpus:
-        try:
-            readings = nvml.read_gpus()
-        except nvml.NvmlUnavailable as exc:
-            note = str(exc)
-            readings = []
-        for gpu in gpus:
-            nvml_index = nvml.nvml_index_for_cuda_ordinal(gpu.index, readings)
-            memory[gpu.index] = readings[nvml_index] if nvml_index is not None else None
+        driver = driver_view(gpus)
+        memory, note = driver.by_gpu, driver.note
     # The setup variables as TensorFlow read them at its start, not as the environment says now.
     env = {k: v for k, v in os.environ.items()}
     for name, value in setup_env().items():

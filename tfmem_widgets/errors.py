@@ -1,4 +1,7 @@
-"""The one exception type the package raises for bad requests."""
+"""Every exception type the package raises, in one place.
+
+Each message is one line: what was wrong and what to do instead.
+"""
 
 
 class SetupError(ValueError):
@@ -6,3 +9,15 @@ class SetupError(ValueError):
 
     The message is one line: what was wrong and what to do instead.
     """
+
+
+class TraceDataError(SetupError):
+    """A trace file or dump that cannot be read; the message says which and why."""
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used on this machine; the message says why in one line."""
+
+
+class FreshRunError(RuntimeError):
+    """The code raised, or the process died, in the fresh process (its output was shown)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SetupError
+from .errors import FreshRunError, SetupError
 from .runtime import SETUP_ENV_VARS
 
 # TensorFlow's C++ start-up lines ("I0000 00:00:... cuda_dnn.cc:...]") and absl's notice come
@@ -33,10 +33,6 @@ _NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d
 # What Python itself writes to stderr (a traceback, a warning): never taken for a log line's tail.
 _PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b)")
 _CHILD = "import sys\nfrom tfmem_widgets.fresh import _child_main\nsys.exit(_child_main(sys.argv[1]))\n"
-
-
-class FreshRunError(RuntimeError):
-    """The code raised, or the process died, in the fresh process (its output was shown)."""
 
 
 @dataclass
@@ -347,10 +343,10 @@ def _child_main(work: str) -> int:
     result_file = work_dir / "result.json"
 
     if job["setup"] is not None:
-        import tfmem_widgets
+        from .device_setup import setup
 
         try:
-            tfmem_widgets.setup(**job["setup"])
+            setup(**job["setup"])
         except SetupError as exc:
             result_file.write_text(json.dumps({"setup_error": str(exc)}))
             return 2

@@ -4,7 +4,7 @@ The figures come from the allocator itself (``get_memory_info``), not from sampl
 tensor that lives for a microsecond still counts. TensorFlow keeps one peak counter per
 device; ``reset_memory_stats`` sets it to the current figure. Nested blocks share that
 counter, so before any reset the peak so far is folded into every enclosing block, and
-the process-wide peak is kept here too (``process_peak``) for reports.
+the process-wide peak is kept in readings (``process_peak``) for reports.
 """
 
 from __future__ import annotations
@@ -13,36 +13,17 @@ import threading
 from dataclasses import dataclass, field
 
 from .errors import SetupError
+from .readings import note_peak, read_allocator
 from .runtime import lab_limit_bytes, resolve_device, runtime_started, tensorflow
 from .units import format_bytes, format_exact
 
 _lock = threading.RLock()
 _active: list["Measurement"] = []
-_process_peak_seen: dict[str, int] = {}
-
-
-def read_allocator(device: str) -> tuple[int, int]:
-    """(in use, peak) bytes of the allocator behind `device`; starts the runtime if needed."""
-    tf = tensorflow()
-    try:
-        info = tf.config.experimental.get_memory_info(device)
-    except ValueError as exc:
-        raise SetupError(
-            f"TensorFlow keeps no allocator figures for {device} ({exc}); for the CPU, restart "
-            "and run `%tfmem setup --lab 1024` first, so its allocator is the BFC allocator."
-        ) from None
-    return int(info["current"]), int(info["peak"])
-
-
-def process_peak(device: str, allocator_peak: int) -> int:
-    """The highest in-use figure of `device` in this process, across our peak resets."""
-    with _lock:
-        return max(allocator_peak, _process_peak_seen.get(device, 0))
 
 
 def _reset_peak(device: str, peak: int) -> None:
     with _lock:
-        _process_peak_seen[device] = max(peak, _process_peak_seen.get(device, 0))
+        note_peak(device, peak)
         for outer in _active:
             if outer.device == device:
                 outer._highest = max(outer._highest, peak)
@@ -163,7 +144,7 @@ class measure:
                     for outer in _active:
                         if outer is not m and outer.device == m.device:
                             outer._highest = max(outer._highest, m.highest_bytes)
-                    _process_peak_seen[m.device] = max(_process_peak_seen.get(m.device, 0), m.highest_bytes)
+                    note_peak(m.device, m.highest_bytes)
                     if self._started_inside:
                         m.lab_limit_bytes = lab_limit_bytes()  # as TensorFlow read it when it started
             finally:

@@ -11,9 +11,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from .errors import NvmlUnavailable
 
-class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used on this machine; the message says why in one line."""
 
 
 @dataclass(frozen=True)

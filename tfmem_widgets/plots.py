@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .allocator_map import AllocatorMap, address_clusters
+from .allocator_map import AllocatorMap, address_clusters, op_label
 from .replay import Replay
 from .units import format_bytes
 
@@ -71,7 +71,7 @@ def _op_colors(trace, name, spans, top: int = 10):
     ranked = sorted(totals, key=lambda op: -totals[op])[:top]
     palette = plt.get_cmap("tab10")
     colors = {op: palette(k % 10) for k, op in enumerate(ranked)}
-    labels = {op: (e.texts[op] or "(no op recorded)") for op in ranked}
+    labels = {op: op_label(e.texts[op]) for op in ranked}
     return colors, labels
 
 

@@ -23,8 +23,8 @@ import heapq
 
 import numpy as np
 
-from .allocator_map import AllocatorMap, Chunk, Region
-from .xplane import ALLOC, AllocatorEvents
+from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
+from .events import ALLOC, AllocatorEvents
 
 _MIN_ALLOCATION = 256
 _INITIAL_GROWTH_REGION = 2 << 20
@@ -169,13 +169,6 @@ class Replay:
             self.step()
         return self
 
-    def fragmentation(self) -> float:
-        """TensorFlow's GetFragmentation on the current state (NaN when nothing is free)."""
-        free = self.pool_bytes - self.events.in_use[self.position]
-        if free <= 0:
-            return float("nan")
-        return (free - self.largest_free()) / free
-
     # -- results ---------------------------------------------------------------------------
     def snapshot(self, notes: tuple[str, ...] = ()) -> AllocatorMap:
         e = self.events
@@ -209,5 +202,5 @@ def fragmentation_series(events: AllocatorEvents, growth: bool = True) -> np.nda
     for i in range(len(events)):
         replay.step()
         free = replay.pool_bytes - in_use[i]
-        out[i] = (free - replay.largest_free()) / free if free > 0 else float("nan")
+        out[i] = fragmentation(free, replay.largest_free())
     return out

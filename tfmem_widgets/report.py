@@ -14,7 +14,7 @@ import psutil
 
 from . import nvml
 from .default_limit import system_reserve
-from .measure import process_peak, read_allocator
+from .readings import device_limit, driver_view, process_peak, read_allocator
 from .errors import SetupError
 from .runtime import (
     LogicalDevice,
@@ -165,36 +165,9 @@ class MemoryReport:
         )
 
 
-_default_limits: dict[str, int] | None = None
-
-
-def _tensorflow_default_limits() -> dict[str, int]:
-    """TensorFlow's memory limit per GPU device, as it created them (runtime started only).
-
-    device_lib lists each device with the limit TensorFlow computed; the figures cannot
-    change once the runtime has started, so they are read once.
-    """
-    global _default_limits
-    if _default_limits is None:
-        from tensorflow.python.client import device_lib
-
-        _default_limits = {
-            d.name.split("device:")[-1]: int(d.memory_limit)
-            for d in device_lib.list_local_devices()
-            if d.device_type == "GPU"
-        }
-    return _default_limits
-
-
 def _reading(device: LogicalDevice, started: bool, lab_limit: int | None) -> DeviceReading:
-    if device.device_type == "CPU":
-        limit, source = (lab_limit, "lab mode") if lab_limit is not None else (None, "none enforced")
-    elif device.limit_mb is not None:
-        limit, source = device.limit_mb * MiB, "logical device limit"
-    elif started:
-        limit, source = _tensorflow_default_limits().get(device.name), "TensorFlow's default"
-    else:
-        limit, source = None, "set when the runtime starts"
+    known = device_limit(device, started, lab_limit)
+    limit, source = known.bytes, known.source
     if not started:
         return DeviceReading(device.name, limit, source, None, None)
     note = None
@@ -259,19 +232,15 @@ def report() -> MemoryReport:
     gpus = physical_gpus()
     devices = logical_devices(gpus)
     pid = os.getpid()
-    readings = []
-    nvml_note = None
-    try:
-        readings = nvml.read_gpus()
-    except nvml.NvmlUnavailable as exc:
-        nvml_note = str(exc)
+    driver = driver_view(gpus, visible_only=True)
+    readings = list(driver.readings)
+    nvml_note = driver.note
     cpus = tuple(_reading(d, started, lab_limit) for d in devices if d.device_type == "CPU")
     sections = []
     for gpu in gpus:
         if not gpu.visible:
             continue
-        nvml_index = nvml.nvml_index_for_cuda_ordinal(gpu.index, readings)
-        memory = readings[nvml_index] if nvml_index is not None else None
+        memory = driver.by_gpu.get(gpu.index)
         on_gpu = tuple(
             _reading(d, started, lab_limit) for d in devices if d.physical_index == gpu.index
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import nvml
 from .errors import SetupError
-from .measure import process_peak, read_allocator
+from .readings import device_limit, driver_view, process_peak, read_allocator
 from .runtime import lab_limit_bytes, logical_devices, physical_gpus, runtime_started
 
 DEFAULT_INTERVAL = 0.5
@@ -80,29 +80,17 @@ def _static_parts(background: bool) -> dict:
     global _static
     if _static is not None:
         return _static
-    from .report import _tensorflow_default_limits
-    from .units import MiB
-
     gpus = physical_gpus()
     devices = logical_devices(gpus)
     lab = lab_limit_bytes()  # what TensorFlow read when its runtime started
-    limits: dict[str, int | None] = {}
-    for d in devices:
-        if d.device_type == "CPU":
-            limits[d.name] = lab
-        elif d.limit_mb is not None:
-            limits[d.name] = d.limit_mb * MiB
-        else:
-            limits[d.name] = None if background else _tensorflow_default_limits().get(d.name)
-    try:
-        readings = nvml.read_gpus()
-    except nvml.NvmlUnavailable:
-        readings = []
-    mapping = {g.index: nvml.nvml_index_for_cuda_ordinal(g.index, readings) for g in gpus if g.visible}
+    started = runtime_started()
+    limits = {d.name: device_limit(d, started, lab, main_thread=not background).bytes for d in devices}
+    driver = driver_view(gpus, visible_only=True)
+    mapping = {index: driver.nvml_index(index) for index in driver.by_gpu}
     parts = {"devices": [d.name for d in devices], "limits": limits,
              "nvml": {k: v for k, v in mapping.items() if v is not None}}
     complete = not background or all(v is not None for k, v in limits.items() if k.startswith("GPU"))
-    if runtime_started() and complete:
+    if started and complete:
         _static = parts
     return parts
 

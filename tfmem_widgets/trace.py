@@ -26,7 +26,7 @@ import numpy as np
 
 from .allocator_map import AllocatorMap, Chunk
 from .bfc_dump import load_memory_dump, parse_bfc_dump
-from .errors import SetupError
+from .errors import SetupError, TraceDataError
 from .replay import Replay, fragmentation_series
 from .runtime import (
     FORCE_GROWTH_ENV,
@@ -40,7 +40,8 @@ from .runtime import (
     tensorflow,
 )
 from .units import format_bytes
-from .xplane import ALLOC, FREE, AllocatorEvents, TraceDataError, read_xplane_file
+from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
+from .xplane import read_xplane_file
 
 DUMP_ENV = "TF_BFC_MEMORY_DUMP"
 _DTYPE_BYTES = {
@@ -380,8 +381,6 @@ class Trace:
         printer.text(repr(self))
 
     # -- export --------------------------------------------------------------------------
-    _COLUMNS = ("time_ns", "kind", "address", "size", "requested", "in_use", "peak", "available",
-                "fragmentation", "op", "shape", "region", "data_type")
 
     def to_json(self, path: str | Path) -> None:
         """Everything, losslessly: events, dumps, OOM; Trace.load gives the same maps back.
@@ -396,7 +395,7 @@ class Trace:
             "text_dump": None if self.text_dump is None else self.text_dump.to_dict(),
             "notes": list(self.notes),
             "allocators": {
-                name: {"texts": e.texts, **{c: getattr(e, c).tolist() for c in self._COLUMNS}}
+                name: {"texts": e.texts, **{c: getattr(e, c).tolist() for c in COLUMNS}}
                 for name, e in self._events.items()
             },
         }
@@ -426,17 +425,14 @@ class Trace:
             stated = data.get("sha256")
             if stated != _checksum({k: v for k, v in data.items() if k != "sha256"}):
                 raise _Damaged("its checksum does not match its contents (cut, damaged or edited)")
-        dtypes = {"time_ns": np.int64, "kind": np.int8, "address": np.uint64, "size": np.int64,
-                  "requested": np.int64, "in_use": np.int64, "peak": np.int64, "available": np.int64,
-                  "fragmentation": np.float64, "op": np.int32, "shape": np.int32, "region": np.int32,
-                  "data_type": np.int16}
+        dtypes = NUMPY_TYPES
         events = {}
         for name, cols in data["allocators"].items():
-            lengths = {len(cols[c]) for c in cls._COLUMNS}
+            lengths = {len(cols[c]) for c in COLUMNS}
             if len(lengths) != 1:
                 raise _Damaged(f"the event columns of {name} differ in length")
             events[name] = AllocatorEvents(allocator=name, texts=list(cols["texts"]),
-                                           **{c: np.array(cols[c], dtype=dtypes[c]) for c in cls._COLUMNS})
+                                           **{c: np.array(cols[c], dtype=dtypes[c]) for c in COLUMNS})
             _check_events(events[name])
         dumps = {k: AllocatorMap.from_dict(v) for k, v in data["dumps"].items()}
         text_dump = None if data["text_dump"] is None else AllocatorMap.from_dict(data["text_dump"])

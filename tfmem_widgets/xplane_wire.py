@@ -5,7 +5,7 @@ reading them one protobuf object at a time costs about 15 microseconds an event.
 XSpace is parsed by protobuf with each line's events left as raw bytes (a copy of
 TensorFlow's own xplane.proto schema in which XLine.events is ``bytes``), and the protobuf
 wire format of those events is then decoded for all memory events at once, field by field,
-as numpy arrays. The plain decoder, read_xspace_reference, gives the same columns.
+as numpy arrays. The plain decoder in the tests (xspace_reference.py) gives the same columns.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import functools
 
 import numpy as np
 
-from .xplane import (
-    _ALLOCATOR_SLOT,
-    _EVENT_KINDS,
-    _FIRST_TEXT_SLOT,
-    _FRAGMENTATION_SLOT,
-    _SLOTS,
-    TraceDataError,
+from .errors import TraceDataError
+from .events import (
+    ALLOCATOR_SLOT,
+    EVENT_KINDS,
+    FIRST_TEXT_SLOT,
+    FRAGMENTATION_SLOT,
+    NUMPY_TYPES,
+    SLOTS,
+    STAT_OF_COLUMN,
 )
 
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
@@ -252,7 +254,7 @@ def read_memory_columns(data: bytes | None, source: str):
     parts: dict[str, list[dict[str, np.ndarray]]] = {}
     try:
         for plane in space.planes:
-            kinds = {mid: _EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in _EVENT_KINDS}
+            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
             if not kinds:
                 continue
             stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
@@ -298,29 +300,29 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
 
-    # Stat metadata id -> slot in a row (see xplane._SLOTS); unknown stats are skipped.
-    slot_of = {mid: _SLOTS[name] for mid, name in stat_names.items() if name in _SLOTS}
+    # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
+    slot_of = {mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}
     unique_ids, inverse = np.unique(stat_id, return_inverse=True)
     slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
     del stat_id, inverse
 
     n = len(starts)
-    row_int = np.zeros((_FIRST_TEXT_SLOT, n), dtype=np.int64)
+    row_int = np.zeros((FIRST_TEXT_SLOT, n), dtype=np.int64)
     fragmentation = np.zeros(n, dtype=np.float64)
-    row_text = np.zeros((_ALLOCATOR_SLOT - _FIRST_TEXT_SLOT, n), dtype=np.int64)
+    row_text = np.zeros((ALLOCATOR_SLOT - FIRST_TEXT_SLOT, n), dtype=np.int64)
     allocator = np.full(n, -1, dtype=np.int64)
 
     as_int = stat_value.view(np.int64)
-    for slot in range(_FIRST_TEXT_SLOT):
+    for slot in range(FIRST_TEXT_SLOT):
         pick = slots == slot
         row_int[slot, owner[pick]] = as_int[pick]
-    pick = slots == _FRAGMENTATION_SLOT
+    pick = slots == FRAGMENTATION_SLOT
     is_double = pick & (stat_field == _STAT_DOUBLE)
     fragmentation[owner[is_double]] = stat_value[is_double].view(np.float64)
     is_other = pick & (stat_field != _STAT_DOUBLE)
     fragmentation[owner[is_other]] = as_int[is_other].astype(np.float64)
 
-    text_slots = slots >= _FIRST_TEXT_SLOT + 1
+    text_slots = slots >= FIRST_TEXT_SLOT + 1
     ref = text_slots & (stat_field == _STAT_REF)
     ref_ids, ref_inverse = np.unique(stat_value[ref], return_inverse=True)
     ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
@@ -331,10 +333,10 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
         dtype=np.int64,
     )
     for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):
-        for k, slot in enumerate(range(_FIRST_TEXT_SLOT + 1, _ALLOCATOR_SLOT)):
+        for k, slot in enumerate(range(FIRST_TEXT_SLOT + 1, ALLOCATOR_SLOT)):
             pick = slots[rows] == slot
             row_text[k, owner[rows[pick]]] = values[pick]
-        pick = slots[rows] == _ALLOCATOR_SLOT
+        pick = slots[rows] == ALLOCATOR_SLOT
         allocator[owner[rows[pick]]] = values[pick]
 
     time_ns = ((np.uint64(timestamp_ns) * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
@@ -342,18 +344,15 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
         mine = allocator == name_index
-        parts.setdefault(int(name_index), []).append({
-            "time_ns": time_ns[mine],
-            "kind": kind[mine],
-            "address": row_int[_SLOTS["addr"], mine].view(np.uint64),
-            "size": row_int[_SLOTS["allocation_bytes"], mine],
-            "requested": row_int[_SLOTS["requested_bytes"], mine],
-            "in_use": row_int[_SLOTS["bytes_allocated"], mine],
-            "peak": row_int[_SLOTS["peak_bytes_in_use"], mine],
-            "available": row_int[_SLOTS["bytes_available"], mine],
-            "fragmentation": fragmentation[mine],
-            "op": row_text[_SLOTS["tf_op"] - _FIRST_TEXT_SLOT - 1, mine].astype(np.int32),
-            "shape": row_text[_SLOTS["shape"] - _FIRST_TEXT_SLOT - 1, mine].astype(np.int32),
-            "region": row_text[_SLOTS["region_type"] - _FIRST_TEXT_SLOT - 1, mine].astype(np.int32),
-            "data_type": row_int[_SLOTS["data_type"], mine].astype(np.int16),
-        })
+        columns = {"time_ns": time_ns[mine], "kind": kind[mine]}
+        for column, stat in STAT_OF_COLUMN.items():  # each column from its stat's slot (events.py)
+            slot = SLOTS[stat]
+            if slot == FRAGMENTATION_SLOT:
+                values = fragmentation[mine]
+            elif slot < FIRST_TEXT_SLOT:
+                values = row_int[slot, mine]
+            else:
+                values = row_text[slot - FIRST_TEXT_SLOT - 1, mine]
+            columns[column] = values.view(NUMPY_TYPES[column]) if column == "address" else \
+                values.astype(NUMPY_TYPES[column], copy=False)
+        parts.setdefault(int(name_index), []).append(columns)

@@ -12,7 +12,7 @@ from html import escape
 
 import ipywidgets as w
 
-from ..allocator_map import AllocatorMap
+from ..allocator_map import AllocatorMap, op_label
 from ..units import format_bytes
 from .text_form import FullTextForm
 
@@ -61,10 +61,10 @@ def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
                 pending[1] = x + wide - pending[0]
                 pending[2] += 1
                 continue
-            title = (f"{chunk.op or '(no op recorded)'} {chunk.shape} {format_bytes(chunk.size)} "
+            title = (f"{op_label(chunk.op)} {chunk.shape} {format_bytes(chunk.size)} "
                      f"at {chunk.address:#x}" + (f", event {chunk.since}" if chunk.since is not None else ""))
             parts.append(f'<rect class="tfmem-chunk" x="{x:.2f}" y="{y}" width="{wide:.2f}" height="{_ROW - 6}" '
-                         f'fill="{colors.get(chunk.op or "(no op recorded)", "#999")}"><title>{escape(title)}</title></rect>')
+                         f'fill="{colors.get(op_label(chunk.op), "#999")}"><title>{escape(title)}</title></rect>')
         if pending:
             parts.append(_small_chunks(pending, y))
     parts.append("</svg>")
@@ -134,7 +134,7 @@ class MapViewer(FullTextForm, w.VBox):
         self.picture.value = map_svg(m)
         in_use = sorted((c for c in m.chunks if c.in_use), key=lambda c: -c.size)
         self.chunks.options = [
-            (f"{format_bytes(c.size):>10}  {c.op or '(no op recorded)'} {c.shape}  @ {c.address:#x}", c.address)
+            (f"{format_bytes(c.size):>10}  {op_label(c.op)} {c.shape}  @ {c.address:#x}", c.address)
             for c in in_use[:500]
         ]
         self._detail()
@@ -145,7 +145,7 @@ class MapViewer(FullTextForm, w.VBox):
             self.details.value = "<i>pick a chunk for its details; hover over one in the map for the same</i>"
             return
         self.details.value = (
-            f"<b>{escape(chunk.op or '(no op recorded)')}</b> shape {escape(chunk.shape or '?')}: "
+            f"<b>{escape(op_label(chunk.op))}</b> shape {escape(chunk.shape or '?')}: "
             f"{format_bytes(chunk.size)} chunk ({chunk.size:,} B)"
             + (f" for {chunk.requested:,} B requested" if chunk.requested else "")
             + f" at {chunk.address:#x}" + (f", allocated at event {chunk.since}" if chunk.since is not None else "")

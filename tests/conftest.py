@@ -7,7 +7,6 @@ process, before anything starts TensorFlow's runtime; tests that need a fresh ru
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

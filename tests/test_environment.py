@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from conftest import FRESH_SHELL, finish_fresh, run_fresh, start_fresh
-from tfmem_widgets.plan import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
+from conftest import FRESH_SHELL, run_fresh, start_fresh
+from tfmem_widgets.setup_rules import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
 from tfmem_widgets.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV
 
 

@@ -99,7 +99,7 @@ def test_a_failure_half_way_through_applying_undoes_what_was_done():
         """
         import json, os
         from tfmem_widgets.device_setup import _apply
-        from tfmem_widgets.plan import Step
+        from tfmem_widgets.setup_rules import Step
         before = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
         steps = [Step("env", "TF_CPU_ALLOCATOR_USE_BFC", "true", ""),
                  Step("cpus", None, 2, ""),

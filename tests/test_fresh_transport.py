@@ -5,20 +5,16 @@ would change comes back equal and of the same type, or is refused in one line.
 """
 
 import collections
-import datetime
-import decimal
-import fractions
 import math
 import os
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 import pytest
 from IPython.core.error import UsageError
 
 from tfmem_widgets import SetupError
-from tfmem_widgets.allocator_map import Region
 from tfmem_widgets.fresh import FreshRunError, run_fresh
 
 

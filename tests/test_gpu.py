@@ -41,7 +41,7 @@ def test_default_limit_is_free_memory_minus_the_reserve_and_the_gap_adds_up():
         """
     )
     print(out["text"])
-    from tfmem_widgets.default_limit import system_reserve
+    from tfmem_widgets.system_reserve import system_reserve
 
     reserve, _ = system_reserve(out["free"], out["cc"][0], env={})
     # TensorFlow reads free memory itself, a few MiB apart from NVML's reading after it.

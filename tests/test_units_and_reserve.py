@@ -1,4 +1,4 @@
-from tfmem_widgets.default_limit import system_reserve
+from tfmem_widgets.system_reserve import system_reserve
 from tfmem_widgets.nvml import GpuMemory, nvml_index_for_cuda_ordinal
 from tfmem_widgets.units import GiB, MiB, format_bytes, format_exact
 

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 import tfmem_widgets
 from tfmem_widgets.errors import SetupError
 from tfmem_widgets.nvml import GpuMemory
-from tfmem_widgets.plan import DeviceState, SetupRequest, plan_setup
+from tfmem_widgets.setup_rules import DeviceState, SetupRequest, plan_setup
 from tfmem_widgets.runtime import PhysicalGpu
 from tfmem_widgets.sampler import sampler
 from tfmem_widgets.widgets import Gauge, MapViewer, SetupPanel

@@ -10,7 +10,7 @@ import psutil
 
 from . import nvml
 from .readings import driver_view
-from .plan import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
+from .setup_rules import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
 from .runtime import logical_cpu_count, physical_gpus, runtime_started, setup_env, setup_env_changed, tensorflow
 
 

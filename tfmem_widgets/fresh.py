@@ -120,7 +120,7 @@ def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | Non
     unknown = [key for key in setup if key not in _SETUP_KEYS]
     if unknown:
         raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(_SETUP_KEYS)}.")
-    from .plan import SetupRequest
+    from .setup_rules import SetupRequest
 
     SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
     for key, names in _SETUP_WRITES.items():

@@ -59,7 +59,7 @@ EXPERIMENTS: dict[str, Experiment] = {
 before = card()
 import tensorflow as tf
 from tensorflow.python.client import device_lib
-from tfmem_widgets.default_limit import system_reserve
+from tfmem_widgets.system_reserve import system_reserve
 limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
 after = card()
 major, minor = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])["compute_capability"]
@@ -244,7 +244,7 @@ second = tfmem_widgets.run_fresh('''
 import tensorflow as tf
 from tensorflow.python.client import device_lib
 from tfmem_widgets import nvml
-from tfmem_widgets.default_limit import system_reserve
+from tfmem_widgets.system_reserve import system_reserve
 def card():
     gpus = nvml.read_gpus()
     return gpus[nvml.nvml_index_for_cuda_ordinal(0, gpus)]

@@ -15,66 +15,32 @@ from .device_setup import setup
 from .errors import SetupError
 from .measure import measure
 from .report import report
+from .setup_rules import (
+    ALLOCATORS,
+    parse_count,
+    parse_gpus,
+    parse_limit,
+    parse_mb,
+    parse_mb_or_zero,
+    parse_split,
+)
 from .trace import trace
 
-# More logical devices than this on one GPU is a typo for sizes ("--split 2048").
-_MAX_SPLIT_COUNT = 64
+def _typed(parse):
+    """A setup_rules parser as an argparse type: its refusal becomes the option's error."""
+
+    def parse_text(text: str):
+        try:
+            return parse(text)
+        except SetupError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_text.__name__ = parse.__name__
+    return parse_text
 
 
-def _mb(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of MB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MB, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count (1, 2, ...), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a count of at least 1, got {text!r}")
-    return value
-
-
-def _mb_or_zero(text: str) -> int:
-    return 0 if text.strip() == "0" else _mb(text)
-
-
-def _gpu_index(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected a GPU index (0, 1, ...), got {text!r}")
-    return int(text)
-
-
-def _limit(text: str):
-    """'4096' for every GPU, or '0=4096,1=2048' per GPU."""
-    if "=" not in text:
-        return _mb(text)
-    limits = {}
-    for part in text.split(","):
-        index, sep, mb = part.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected GPU=MB pairs like 0=4096,1=2048, got {text!r}")
-        limits[_gpu_index(index)] = _mb(mb)
-    return limits
-
-
-def _split(text: str):
-    """'2' (a count) or '2048,2048' (sizes in MB)."""
-    if "," in text:
-        return [_mb(part) for part in text.split(",")]
-    count = _count(text)
-    if count > _MAX_SPLIT_COUNT:
-        raise argparse.ArgumentTypeError(
-            f"{count} logical devices is more than {_MAX_SPLIT_COUNT}: list sizes with commas "
-            f"(--split {count},{count}) or give one limit with --limit {count}"
-        )
-    return count
+_mb, _count, _mb_or_zero = _typed(parse_mb), _typed(parse_count), _typed(parse_mb_or_zero)
+_limit, _split, _gpus = _typed(parse_limit), _typed(parse_split), _typed(parse_gpus)
 
 
 def _seconds(text: str) -> float:
@@ -115,12 +81,6 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def _gpus(text: str):
-    if text.strip().lower() == "none":
-        return []
-    return [_gpu_index(part) for part in text.split(",")]
-
-
 def _add_setup_arguments(s):
     """The options of %tfmem setup (also those of %%tfmem fresh)."""
     s.add_argument("--lab", type=_mb, action=_Once, metavar="MB", dest="lab_mb",
@@ -137,7 +97,7 @@ def _add_setup_arguments(s):
     s.add_argument("--split", type=_split, action=_Once, metavar="N|MB,MB,...",
                    help="logical devices per GPU: a count (divides the limit) or sizes in MB")
     s.add_argument("--gpus", type=_gpus, action=_Once, metavar="0,1|none", help="the GPUs TensorFlow may use")
-    s.add_argument("--allocator", action=_Once, choices=["bfc", "cuda_malloc_async"], help="TF_GPU_ALLOCATOR")
+    s.add_argument("--allocator", action=_Once, choices=list(ALLOCATORS), help="TF_GPU_ALLOCATOR")
     s.add_argument("--reserve", type=_mb_or_zero, action=_Once, metavar="MB", dest="reserve_mb",
                    help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
     s.add_argument("--cpus", type=_count, action=_Once, metavar="N", help="split the CPU into N logical devices")

@@ -13,7 +13,7 @@ from html import escape
 import psutil
 
 from . import nvml
-from .default_limit import system_reserve
+from .system_reserve import system_reserve
 from .readings import device_limit, driver_view, process_peak, read_allocator
 from .errors import SetupError
 from .runtime import (

@@ -13,7 +13,7 @@ import ipywidgets as w
 
 from ..device_setup import current_state, setup
 from ..errors import SetupError
-from ..plan import DEFAULT_LAB_MB, SetupRequest, plan_setup
+from ..setup_rules import DEFAULT_LAB_MB, SetupRequest, parse_split, plan_setup
 from ..runtime import lab_limit_bytes, runtime_started
 from ..units import MiB
 from .text_form import FullTextForm
@@ -99,10 +99,9 @@ class SetupPanel(FullTextForm, w.VBox):
         split = None
         if split_text:
             try:
-                parts = [int(p) for p in split_text.split(",")]
-            except ValueError:
-                raise SetupError(f"logical devices: expected a count (2) or sizes in MB (2048,2048), got {split_text!r}.") from None
-            split = parts[0] if len(parts) == 1 else parts
+                split = parse_split(split_text)  # the rule %tfmem setup --split follows
+            except SetupError as exc:
+                raise SetupError(f"logical devices: {exc}; a count (2) or sizes in MB (2048,2048).") from None
         has_gpu = bool(self.state.gpus)
         current_visible = tuple(g.index for g in self.state.gpus if g.visible)
         return SetupRequest(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .default_limit import system_reserve
+from .system_reserve import system_reserve
 from .errors import SetupError
 from .nvml import GpuMemory
 from .runtime import (
@@ -51,6 +51,77 @@ def _positive(name: str, value, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise SetupError(f"{name} must be a positive number of MB, got {value}.")
     return value
+
+
+# More logical devices than this on one GPU is a typo for sizes ("--split 2048").
+MAX_SPLIT_COUNT = 64
+
+
+# -- the options as text (%tfmem setup, the setup panel): one reading of each -----------------
+
+def parse_mb(text: str) -> int:
+    """'4096': a positive whole number of MB."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise SetupError(f"expected a whole number of MB, got {text!r}") from None
+    if value <= 0:
+        raise SetupError(f"expected a positive number of MB, got {text!r}")
+    return value
+
+
+def parse_count(text: str) -> int:
+    """'2': a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise SetupError(f"expected a count (1, 2, ...), got {text!r}") from None
+    if value < 1:
+        raise SetupError(f"expected a count of at least 1, got {text!r}")
+    return value
+
+
+def parse_mb_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_mb(text)
+
+
+def parse_gpu_index(text: str) -> int:
+    if not text.strip().isdigit():
+        raise SetupError(f"expected a GPU index (0, 1, ...), got {text!r}")
+    return int(text)
+
+
+def parse_limit(text: str) -> int | dict[int, int]:
+    """'4096' for every GPU, or '0=4096,1=2048' per GPU."""
+    if "=" not in text:
+        return parse_mb(text)
+    limits = {}
+    for part in text.split(","):
+        index, sep, mb = part.partition("=")
+        if not sep:
+            raise SetupError(f"expected GPU=MB pairs like 0=4096,1=2048, got {text!r}")
+        limits[parse_gpu_index(index)] = parse_mb(mb)
+    return limits
+
+
+def parse_split(text: str) -> int | list[int]:
+    """'2' (a count of logical devices) or '2048,2048' (their sizes in MB)."""
+    if "," in text:
+        return [parse_mb(part) for part in text.split(",")]
+    count = parse_count(text)
+    if count > MAX_SPLIT_COUNT:
+        raise SetupError(
+            f"{count} logical devices is more than {MAX_SPLIT_COUNT}: list sizes with commas "
+            f"(--split {count},{count}) or give one limit with --limit {count}"
+        )
+    return count
+
+
+def parse_gpus(text: str) -> list[int]:
+    """'0,1', or 'none' to hide every GPU."""
+    if text.strip().lower() == "none":
+        return []
+    return [parse_gpu_index(part) for part in text.split(",")]
 
 
 @dataclass(frozen=True)
@@ -265,10 +336,40 @@ def _split_total_mb(index: int, request: SetupRequest, state: DeviceState) -> in
 
 
 def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
-    """Check `request` against TensorFlow's rules on `state`; return the steps or raise."""
-    notes: list[str] = []
-    gpu_count = len(state.gpus)
+    """Check `request` against TensorFlow's rules on `state`; return the steps or raise.
 
+    The phases, in order: what a bare request means; the GPUs named exist; the configuration each
+    visible GPU would end with; TensorFlow's growth rules on it; the sizes against the card and
+    the host; the steps (only what changes); too late once the runtime has started.
+    """
+    notes: list[str] = []
+    request = _bare_request(request, state, notes)
+    visible = _gpus_named_exist(request, state)
+    targets = _targets(request, state, visible)
+    _check_growth(request, state, visible, targets)
+    _check_sizes(request, state, targets, notes)
+    steps = _steps(request, state, visible, targets, notes)
+    if state.runtime_started and steps:
+        raise SetupError(_too_late(steps[0], request, state))
+    lab_now = lab_setting(state.env)
+    lab_mb = request.lab_mb
+    if lab_mb is None and lab_now.enabled:
+        lab_mb = lab_now.limit_mb
+    return SetupPlan(request=request, steps=tuple(steps), notes=tuple(notes), lab_mb=lab_mb)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """What each visible GPU would end with: logical sizes, growth, and which were asked to change."""
+
+    logical: dict[int, tuple[int, ...] | None]
+    growth: dict[int, bool]
+    requested_logical: set[int]
+
+
+def _bare_request(request: SetupRequest, state: DeviceState, notes: list[str]) -> SetupRequest:
+    """Without options and without a GPU: lab mode (the user's exported limit stands)."""
+    gpu_count = len(state.gpus)
     lab_now = lab_setting(state.env)
     if request.is_empty() and gpu_count == 0:
         if lab_now.crashes:
@@ -283,8 +384,12 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
             request = SetupRequest(lab_mb=DEFAULT_LAB_MB)
             notes.append(f"no GPU is visible to TensorFlow: lab mode with a {DEFAULT_LAB_MB} MB limit")
     notes.extend(state.env_notes)
+    return request
 
-    # -- the GPUs exist ----------------------------------------------------------------
+
+def _gpus_named_exist(request: SetupRequest, state: DeviceState) -> list[int]:
+    """Every GPU the request names exists; returns the GPUs in use after it."""
+    gpu_count = len(state.gpus)
     if gpu_count == 0 and request.gpu_options():
         raise SetupError(
             f"no GPU is visible to TensorFlow here, so {', '.join(request.gpu_options())} cannot apply; "
@@ -316,7 +421,10 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
     if request.growth is False and request.force_growth:
         raise SetupError("--no-growth and --force-growth contradict each other: choose one.")
 
-    # -- the configuration every visible GPU would end with -----------------------------
+    return visible
+
+
+def _targets(request: SetupRequest, state: DeviceState, visible: list[int]) -> _Targets:
     target_logical: dict[int, tuple[int, ...] | None] = {}
     target_growth: dict[int, bool] = {}
     requested_logical: set[int] = set()
@@ -338,6 +446,12 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
         target_logical[index] = sizes
         target_growth[index] = gpu.growth if request.growth is None else request.growth
 
+    return _Targets(target_logical, target_growth, requested_logical)
+
+
+def _check_growth(request: SetupRequest, state: DeviceState, visible: list[int], targets: _Targets) -> None:
+    """TensorFlow's growth rules: not with logical devices through tf.config; the same on every GPU."""
+    target_logical, target_growth, requested_logical = targets.logical, targets.growth, targets.requested_logical
     with_logical = [i for i in visible if target_logical[i]]
     with_growth = [i for i in visible if target_growth[i]]
     # TF_FORCE_GPU_ALLOW_GROWTH=true gives growth whatever tf.config dropped.
@@ -371,6 +485,11 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
             "between GPU devices'): pass --growth or --no-growth to set it on all of them."
         )
 
+
+
+def _check_sizes(request: SetupRequest, state: DeviceState, targets: _Targets, notes: list[str]) -> None:
+    """Logical sizes within the card (NVML), the lab limit within the host."""
+    target_logical, requested_logical = targets.logical, targets.requested_logical
     for index in sorted(requested_logical):
         sizes = target_logical[index]
         memory = state.gpu_memory.get(index)
@@ -390,7 +509,13 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
             f"{format_bytes(state.host_total_bytes)} of memory; choose a smaller --lab."
         )
 
-    # -- steps: only what changes ------------------------------------------------------
+
+
+def _steps(request: SetupRequest, state: DeviceState, visible: list[int], targets: _Targets,
+           notes: list[str]) -> list[Step]:
+    """Only what changes, in the order it must run."""
+    target_logical, target_growth, requested_logical = targets.logical, targets.growth, targets.requested_logical
+    lab_now = lab_setting(state.env)
     steps: list[Step] = []
     env = state.env
 
@@ -430,13 +555,7 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
                           f"tf.config.set_logical_device_configuration(cpus[0], "
                           f"[tf.config.LogicalDeviceConfiguration()] * {request.cpus})"))
 
-    if state.runtime_started and steps:
-        raise SetupError(_too_late(steps[0], request, state))
-
-    lab_mb = request.lab_mb
-    if lab_mb is None and lab_now.enabled:
-        lab_mb = lab_now.limit_mb
-    return SetupPlan(request=request, steps=tuple(steps), notes=tuple(notes), lab_mb=lab_mb)
+    return steps
 
 
 def _too_late(step: Step, request: SetupRequest, state: DeviceState) -> str:

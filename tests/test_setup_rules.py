@@ -9,7 +9,7 @@ import pytest
 
 from tfmem_widgets.errors import SetupError
 from tfmem_widgets.nvml import GpuMemory, ProcessGpuMemory
-from tfmem_widgets.plan import (
+from tfmem_widgets.setup_rules import (
     CUDA_CONTEXT_ALLOWANCE,
     DEFAULT_LAB_MB,
     DeviceState,

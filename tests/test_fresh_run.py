@@ -9,7 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
-from tfmem_widgets import gpu_experiments
+from tfmem_widgets.workbook import gpu_experiments
 from tfmem_widgets.fresh import FreshRunError, _without_native_logs, run_fresh
 from tfmem_widgets.measure import Measurement
 from tfmem_widgets.runtime import LAB_LIMIT_ENV

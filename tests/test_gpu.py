@@ -293,7 +293,7 @@ def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
 
 
 def test_the_workbooks_gpu_experiments_run_live_and_measure_what_they_say():
-    from tfmem_widgets.gpu_experiments import gpu_result
+    from tfmem_widgets.workbook.gpu_experiments import gpu_result
 
     order = gpu_result("logical_then_growth")
     assert order.live and "live on" in repr(order)

@@ -64,16 +64,10 @@ def __getattr__(name):
 
 
 def _after_cell(result=None):
-    """post_run_cell: running gauges read once on the main thread (frontends that do not
-    show updates made while a cell runs still get the figures after it)."""
-    import sys
+    """post_run_cell: the readings' after-cell hook (gauges and panels register on it)."""
+    from .sampler import after_cell
 
-    gauge = sys.modules.get("tfmem_widgets.widgets.gauge")
-    if gauge is not None:
-        gauge.refresh_all()
-    panel = sys.modules.get("tfmem_widgets.widgets.setup_panel")
-    if panel is not None:
-        panel.refresh_all()
+    after_cell()
 
 
 def load_ipython_extension(ipython):
@@ -86,13 +80,11 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
-    """%unload_ext tfmem_widgets: removes what load_ipython_extension added."""
-    import sys
-
+    """%unload_ext tfmem_widgets: removes what load_ipython_extension added; gauges stop."""
     for kind in ("line", "cell"):
         ipython.magics_manager.magics[kind].pop("tfmem", None)
     if _after_cell in ipython.events.callbacks["post_run_cell"]:
         ipython.events.unregister("post_run_cell", _after_cell)
-    gauge = sys.modules.get("tfmem_widgets.widgets.gauge")
-    if gauge is not None:
-        gauge.stop_all()
+    from .sampler import unload
+
+    unload()  # gauges stop, and with them the sampler's thread

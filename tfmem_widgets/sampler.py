@@ -232,3 +232,37 @@ class Sampler:
 
 sampler = Sampler()
 atexit.register(sampler.stop)
+
+# After each cell, on the main thread: what shows readings reads once (frontends that do not
+# show updates made while a cell runs still get the figures). Widgets register themselves here.
+_after_cell: list[Callable[[], None]] = []
+
+
+def on_after_cell(callback: Callable[[], None]) -> None:
+    """Run `callback` after each cell (once registered, for the life of the process)."""
+    if callback not in _after_cell:
+        _after_cell.append(callback)
+
+
+_on_unload: list[Callable[[], object]] = []
+
+
+def on_unload(callback: Callable[[], object]) -> None:
+    """Run `callback` when the extension is unloaded (gauges stop)."""
+    if callback not in _on_unload:
+        _on_unload.append(callback)
+
+
+def unload() -> None:
+    for callback in list(_on_unload):
+        callback()
+    sampler.stop()
+
+
+def after_cell() -> None:
+    """The extension's post_run_cell: every registered refresh, each kept from the others' faults."""
+    for callback in list(_after_cell):
+        try:
+            callback()
+        except Exception:
+            sampler.errors += 1

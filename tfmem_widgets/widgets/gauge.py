@@ -13,7 +13,7 @@ from collections import deque
 
 import ipywidgets as w
 
-from ..sampler import DEFAULT_INTERVAL, Sample, check_interval, read_sample, sampler
+from ..sampler import DEFAULT_INTERVAL, Sample, check_interval, on_after_cell, on_unload, read_sample, sampler
 from ..units import format_bytes
 from .text_form import FullTextForm
 
@@ -218,3 +218,7 @@ def stop_all() -> int:
     for gauge in gauges:
         gauge.stop()
     return len(gauges)
+
+
+on_after_cell(refresh_all)
+on_unload(stop_all)

@@ -15,6 +15,7 @@ from ..device_setup import current_state, setup
 from ..errors import SetupError
 from ..setup_rules import DEFAULT_LAB_MB, SetupRequest, parse_split, plan_setup
 from ..runtime import lab_limit_bytes, runtime_started
+from ..sampler import on_after_cell
 from ..units import MiB
 from .text_form import FullTextForm
 
@@ -169,6 +170,9 @@ def refresh_all() -> None:
     """After each cell: panels of this process follow its runtime's start."""
     for panel in list(_live):
         panel.refresh()
+
+
+on_after_cell(refresh_all)
 
 
 def _text(html: str) -> str:

@@ -8,7 +8,7 @@ the card, the TensorFlow version and the date.
 
 Record on a GPU machine (writes gpu_recorded.json next to this file):
 
-    python -m tfmem_widgets.gpu_experiments record
+    python -m tfmem_widgets.workbook.gpu_experiments record
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fresh import run_fresh
+from ..fresh import run_fresh
 
 RECORDED = Path(__file__).with_name("gpu_recorded.json")
 
@@ -472,7 +472,7 @@ def _environment_label(libraries: bool = False) -> dict:
     libraries were real (read in a fresh process, for recordings)."""
     import tensorflow as tf
 
-    from . import nvml
+    from .. import nvml
 
     gpu = nvml.read_gpus()[0]
     driver = nvml._nvml().nvmlSystemGetDriverVersion()
@@ -521,5 +521,5 @@ def record(path: Path = RECORDED) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["record"]:
-        raise SystemExit("usage: python -m tfmem_widgets.gpu_experiments record [PATH]")
+        raise SystemExit("usage: python -m tfmem_widgets.workbook.gpu_experiments record [PATH]")
     record(Path(sys.argv[2]) if len(sys.argv) > 2 else RECORDED)

@@ -31,7 +31,7 @@ with trace(keep=os.path.join(out, "kept")) as t:
         fill(6 << 20)                      # 24 MiB: 40 MiB free, no hole of 24 MiB
     except tf.errors.ResourceExhaustedError:
         pass
-t.result.to_json(os.path.join(out, "trace.json"))
+t.to_json(os.path.join(out, "trace.json"))
 open(os.path.join(out, "log.txt"), "w").write(t.log)
 dumps = sorted(glob.glob(os.path.join(t.logdir, "bfc_dump_*")))
 print(json.dumps({"dump": dumps[-1], "events": len(t.events())}))
@@ -148,10 +148,10 @@ def test_a_missing_dump_file_is_one_line(tmp_path):
 # -- the saved trace (fault 7) --------------------------------------------------------------------
 
 def resign(data):
-    from tfmem_widgets.trace import _checksum
+    from tfmem_widgets.trace_file import checksum
 
     data = {k: v for k, v in data.items() if k != "sha256"}
-    data["sha256"] = _checksum(data)
+    data["sha256"] = checksum(data)
     return data
 
 
@@ -232,7 +232,7 @@ def test_a_missing_or_binary_trace_file_is_one_line(tmp_path):
 def test_an_oom_whose_allocator_made_no_other_move_in_the_block_still_shows_the_dump(real):
     # On a GPU a single too-large tensor leaves no event in the GPU's allocator (its shape lives on
     # the host), only TensorFlow's dump: seen on the H200.
-    from tfmem_widgets.trace import OomInfo
+    from tfmem_widgets.oom import OomInfo
 
     dump = load_memory_dump(real["dump"])
     oom = OomInfo(dump.allocator, "OOM when allocating tensor with shape[629145600] and type float", 2516582400)

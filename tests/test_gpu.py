@@ -239,7 +239,7 @@ def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
         except tf.errors.ResourceExhaustedError:
             raised = True
         e = t.events("GPU_0_bfc")
-        rebuilt = t.result._replay("GPU_0_bfc", len(e) - 1).snapshot()
+        rebuilt = t.replay("GPU_0_bfc", len(e) - 1).snapshot()
         dump = t.dumps["GPU_0_bfc"]
         series = t.fragmentation_series("GPU_0_bfc")
         t.plot_map("GPU_0_bfc").figure.savefig({str(tmp_path / 'map.png')!r})

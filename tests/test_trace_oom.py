@@ -43,7 +43,7 @@ def traced(block):
     except tf.errors.ResourceExhaustedError:
         raised = True
     events = t.events()
-    rebuilt = t.result._replay(events.allocator, len(events) - 1).snapshot()
+    rebuilt = t.replay(events.allocator, len(events) - 1).snapshot()
     return t, raised, events, rebuilt, t.dumps.get(events.allocator)
 
 out = {}
@@ -56,7 +56,7 @@ a, out["a_raised"], events, rebuilt, dump = traced(block_a)
 ours = a.fragmentation_series()
 theirs = events.fragmentation
 out["a_events"] = len(events)
-out["a_fresh"] = a.result._is_fresh(events.allocator)
+out["a_fresh"] = a.is_fresh(events.allocator)
 out["a_chunks_equal"] = chunks(rebuilt) == chunks(dump)
 out["a_chunk_count"] = len(dump.chunks)
 out["a_frag_nan_agree"] = bool(np.array_equal(np.isnan(ours), np.isnan(theirs)))
@@ -87,7 +87,7 @@ def block_b():
 b, out["b_raised"], events, rebuilt, dump = traced(block_b)
 by_address = {c.address: c for c in dump.chunks}
 inside = [c for c in rebuilt.chunks if c.in_use]
-out["b_fresh"] = b.result._is_fresh(events.allocator)
+out["b_fresh"] = b.is_fresh(events.allocator)
 out["b_inside_count"] = len(inside)
 out["b_inside_match"] = all(
     c.address in by_address and by_address[c.address].size == c.size and by_address[c.address].in_use

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
 from .errors import TraceDataError
+from .oom import MIN_ALLOCATION
 
 _REGION = re.compile(r"Next region of size (\d+)")
 _CHUNK = re.compile(r"\b(InUse|Free)\s+at\s+([0-9a-fA-Fx]+)\s+of size\s+(\d+)(?:\s+by op\s+(\S+))?")
@@ -29,12 +30,11 @@ _BY_SIZE = re.compile(r"(\d+) Chunks of size (\d+) totalling")
 _SUM_IN_USE = re.compile(r"Sum Total of in-use chunks: ([0-9.]+)\s*([KMGT]?i?B)")
 _POOL = re.compile(r"Total (?:size|bytes) in pool: ([0-9.]+)\s*([KMGT]?i?B)")
 _NUM_BINS = 21  # TensorFlow's kNumBins: 256 B << 0 ... 256 B << 20 (and larger)
-_MIN_ALLOCATION = 256
 
 
 def bin_of(size: int) -> int:
     """The BFC allocator's bin for a chunk of `size` bytes (BinNumForSize)."""
-    value = max(size, _MIN_ALLOCATION) >> 8
+    value = max(size, MIN_ALLOCATION) >> 8
     return min(value.bit_length() - 1, _NUM_BINS - 1)
 
 
@@ -52,7 +52,7 @@ def _cross_check(chunks: list[Chunk], regions: list[Region], text: str) -> list[
     if bins:
         counted: dict[int, list[int]] = {}
         for c in chunks:
-            entry = counted.setdefault(_MIN_ALLOCATION << bin_of(c.size), [0, 0])
+            entry = counted.setdefault(MIN_ALLOCATION << bin_of(c.size), [0, 0])
             entry[0] += 1
             entry[1] += c.in_use
         for label in sorted(set(bins) | set(counted)):

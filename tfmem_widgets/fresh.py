@@ -265,10 +265,6 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
 
 # -- values on the way back ------------------------------------------------------------------
 
-def _same(value):
-    return value
-
-
 def _refusal(obj) -> str | None:
     """Why `obj` must not be sent back, or None."""
     if isinstance(obj, type) or callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__"):
@@ -288,19 +284,15 @@ def _refusal(obj) -> str | None:
 
 
 class _Pickler:
-    """pickle, refusing what would come back wrong (see _refusal); a running trace() as its Trace."""
+    """pickle, refusing what would come back wrong (see _refusal)."""
 
     @staticmethod
     def dumps(value) -> bytes:
         import io
         import pickle
 
-        from .trace import trace
-
         class Pickler(pickle.Pickler):
             def reducer_override(self, obj):
-                if isinstance(obj, trace):  # `with tfmem_widgets.trace() as t:` gives the block
-                    return _same, (obj.result,)
                 why = _refusal(obj)
                 if why is not None:
                     raise _Refused(why)

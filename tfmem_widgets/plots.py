@@ -47,8 +47,8 @@ def _bands(trace, name: str, spans) -> tuple[list[tuple[int, int]], bool]:
     """(address, size, first event) ranges to stack: the trace's regions where it knows them,
     else clusters of addresses (a gap over 1 MiB starts a new one)."""
     e = trace.events(name)
-    if trace._is_fresh(name):
-        replay = trace._replay(name, len(e) - 1)
+    if trace.is_fresh(name):
+        replay = trace.replay(name, len(e) - 1)
         if replay.regions:
             return [(r.address, r.size, replay.region_created[r.address]) for r in replay.regions], True
     return [(r.address, r.size, 0) for r in address_clusters((a, s) for a, s, *_ in spans)], False
@@ -81,7 +81,7 @@ def plot_map(trace, allocator: str | None = None, ax=None):
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch, Rectangle
 
-    name = trace._name(allocator)
+    name = trace.allocator_name(allocator)
     e = trace.events(name)
     spans = _lifetimes(trace, name)
     bands, exact = _bands(trace, name, spans)
@@ -151,7 +151,7 @@ def plot_map(trace, allocator: str | None = None, ax=None):
 def plot_timeline(trace, allocator: str | None = None, ax=None):
     """In use after every event, the peak, the pool (rebuilt) and the limit."""
     plt = _pyplot()
-    name = trace._name(allocator)
+    name = trace.allocator_name(allocator)
     e = trace.events(name)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 3.5))
@@ -160,8 +160,8 @@ def plot_timeline(trace, allocator: str | None = None, ax=None):
     ax.step(x, e.in_use / mib, where="post", label="in use", lw=1)
     peak = trace.peak_index(name)
     ax.plot([peak], [e.in_use[peak] / mib], "o", color="C3", label=f"peak {format_bytes(int(e.in_use[peak]))}")
-    if trace._is_fresh(name):
-        replay = Replay(e, fresh=True, growth=trace._growth.get(name, True))
+    if trace.is_fresh(name):
+        replay = Replay(e, fresh=True, growth=trace.growth.get(name, True))
         pool = np.empty(len(e))
         for i in range(len(e)):
             replay.step()

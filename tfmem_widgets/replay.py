@@ -25,13 +25,9 @@ import numpy as np
 
 from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
 from .events import ALLOC, AllocatorEvents
+from .oom import MIN_ALLOCATION, rounded
 
-_MIN_ALLOCATION = 256
 _INITIAL_GROWTH_REGION = 2 << 20
-
-
-def _rounded(n: int) -> int:
-    return max(_MIN_ALLOCATION, -(-n // _MIN_ALLOCATION) * _MIN_ALLOCATION)
 
 
 class Replay:
@@ -57,7 +53,7 @@ class Replay:
         self.region_created: dict[int, int] = {}  # region address -> the event that made it
         self.before_trace_bytes = events.in_use_before() if len(events) else 0
         self.pool_bytes = 0
-        self._next_region = _rounded(min(self.limit, _INITIAL_GROWTH_REGION)) if growth else self.limit
+        self._next_region = rounded(min(self.limit, _INITIAL_GROWTH_REGION)) if growth else self.limit
         self.inconsistencies: list[str] = []
         self._lists = None
 
@@ -95,10 +91,10 @@ class Replay:
     # -- the allocator's moves -----------------------------------------------------------
     def _new_region(self, address: int, requested: int) -> int:
         """A region made for this request, sized by the allocator's growth rule."""
-        available = (self.limit - self.pool_bytes) // _MIN_ALLOCATION * _MIN_ALLOCATION
-        rounded = _rounded(requested)
+        available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
+        request = rounded(requested)
         increased = False
-        while rounded > self._next_region:
+        while request > self._next_region:
             self._next_region *= 2
             increased = True
         size = min(self._next_region, available)

@@ -9,17 +9,12 @@ rebuilds the allocator's chunks at any moment (``t.map(at=...)``).
 
 from __future__ import annotations
 
-import csv
 import glob
-import json
 import os
-import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,115 +35,13 @@ from .runtime import (
     tensorflow,
 )
 from .units import format_bytes
-from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
+from .capture import StderrCapture
+from .events import AllocatorEvents
+from .oom import OomInfo, oom_info
 from .xplane import read_xplane_file
 
 DUMP_ENV = "TF_BFC_MEMORY_DUMP"
-_DTYPE_BYTES = {
-    "float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
-    "complex64": 8, "complex128": 16,
-}
-_OOM = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
 _active = threading.Lock()
-
-
-_FORMAT = "tfmem-trace/2"
-
-
-class _Damaged(Exception):
-    """A saved trace that does not hold together (the message says how)."""
-
-
-def _checksum(data: dict) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def _check_events(e: AllocatorEvents) -> None:
-    """An allocator's events hold together: kinds, sizes, text references, and every in-use
-    figure is the one before it plus or minus that event's bytes (an event missing shows)."""
-    name = e.allocator
-    n = len(e)
-    if n == 0:
-        return
-    if not np.isin(e.kind, (ALLOC, FREE)).all():
-        raise _Damaged(f"{name} has events that are neither allocations nor frees")
-    if (e.size <= 0).any() or (e.requested < 0).any() or (e.in_use < 0).any() or (e.peak < e.in_use).any():
-        raise _Damaged(f"{name} has negative or impossible sizes")
-    for column in (e.op, e.shape, e.region):
-        if len(column) and (column.min() < 0 or column.max() >= len(e.texts)):
-            raise _Damaged(f"{name} refers to texts it does not have")
-    delta = e.kind.astype(np.int64) * e.size
-    # Events at the same nanosecond may be listed in either order: their sum must still hold.
-    tied = np.zeros(n, dtype=bool)
-    same = np.diff(e.time_ns) == 0
-    tied[1:] |= same
-    tied[:-1] |= same
-    untied = np.nonzero(~tied)[0]
-    if not len(untied):
-        return
-    first = int(untied[0])
-    before = int(e.in_use[first]) - int(delta[: first + 1].sum())
-    expected = before + np.cumsum(delta)
-    wrong = np.nonzero(expected != e.in_use)[0]
-    if before < 0 or len(wrong) and (~tied[wrong]).any():
-        at = int(wrong[~tied[wrong]][0]) if len(wrong) and (~tied[wrong]).any() else 0
-        raise _Damaged(f"{name}'s in-use figure jumps at event {at}: an event is missing or changed")
-    # For each run of tied events, the state after the run is one of the figures in it.
-    for k in np.unique(wrong):
-        start = k
-        while start > 0 and e.time_ns[start - 1] == e.time_ns[k]:
-            start -= 1
-        end = k
-        while end + 1 < n and e.time_ns[end + 1] == e.time_ns[k]:
-            end += 1
-        if expected[end] not in e.in_use[start:end + 1]:
-            raise _Damaged(f"{name}'s in-use figure jumps at event {k}: an event is missing or changed")
-
-
-def _check_dump(dump: AllocatorMap) -> None:
-    """A saved dump: positive sizes, no overlaps, and each region exactly filled by its chunks."""
-    chunks = sorted(dump.chunks, key=lambda c: c.address)
-    if not chunks or any(c.size <= 0 for c in chunks):
-        raise _Damaged(f"the dump of {dump.allocator} has no chunks or impossible sizes")
-    for previous, chunk in zip(chunks, chunks[1:]):
-        if chunk.address < previous.address + previous.size:
-            raise _Damaged(f"the dump of {dump.allocator} has overlapping chunks")
-    for region in dump.regions:
-        inside = [c for c in chunks if region.address <= c.address < region.address + region.size]
-        filled = sum(c.size for c in inside)
-        if filled != region.size or (inside and inside[0].address != region.address):
-            raise _Damaged(f"the dump of {dump.allocator} does not fill its region at {region.address:#x}: "
-                           "chunks are missing")
-    if dump.regions and sum(r.size for r in dump.regions) != sum(c.size for c in chunks):
-        raise _Damaged(f"the dump of {dump.allocator} has chunks outside its regions")
-
-
-@dataclass(frozen=True)
-class OomInfo:
-    """A failed allocation inside the traced block."""
-
-    allocator: str
-    message: str  # TensorFlow's first line
-    request_bytes: int | None  # the failed request, rounded as the allocator rounds it
-
-
-def _oom_info(exc: BaseException, dump_text: str) -> OomInfo | None:
-    found = _OOM.search(str(exc))
-    if not found:
-        return None
-    message = str(exc)[found.start():].splitlines()[0]
-    dims = [int(d) for d in found.group(1).replace(" ", "").split(",") if d]
-    count = int(np.prod(dims)) if dims else 1
-    request = None
-    rounded = re.search(r"\(rounded to (\d+)\)", dump_text)
-    if rounded:
-        request = int(rounded.group(1))
-    elif found.group(2) in _DTYPE_BYTES:
-        request = max(256, -(-count * _DTYPE_BYTES[found.group(2)] // 256) * 256)
-    return OomInfo(found.group(3).rstrip(".,"), message, request)
 
 
 def _allocator_growth() -> dict[str, bool]:
@@ -171,6 +64,16 @@ class Trace:
                  oom: OomInfo | None = None, dumps: dict[str, AllocatorMap] | None = None,
                  text_dump: AllocatorMap | None = None, logdir: str | None = None, log: str = "",
                  notes: tuple[str, ...] = ()):
+        self._fill(events, fresh, growth, oom, dumps, text_dump, logdir, log, notes)
+
+    @classmethod
+    def _running(cls) -> "Trace":
+        """The Trace a `with trace() as t:` block gives: empty until the block ends."""
+        t = cls.__new__(cls)
+        t._events = None
+        return t
+
+    def _fill(self, events, fresh, growth, oom=None, dumps=None, text_dump=None, logdir=None, log="", notes=()):
         self._events = events
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
@@ -187,10 +90,45 @@ class Trace:
         state["_replays"] = {}  # a cache, rebuilt on demand
         return state
 
+    @property
+    def done(self) -> bool:
+        """Whether the block has ended (a running block's Trace is filled in when it does)."""
+        return self._events is not None
+
+    def _check_done(self) -> None:
+        if self._events is None:
+            raise SetupError("the trace has no result until its block has ended.")
+
     # -- which allocator ---------------------------------------------------------------
     @property
     def allocators(self) -> list[str]:
+        self._check_done()
         return sorted(self._events, key=lambda n: (not n.startswith("GPU"), n))
+
+    @property
+    def growth(self) -> dict[str, bool]:
+        """Whether each allocator grew its pool on demand (lab mode always does)."""
+        self._check_done()
+        return dict(self._growth)
+
+    def event_items(self):
+        """(allocator, its events) for every allocator, as recorded."""
+        self._check_done()
+        return self._events.items()
+
+    def allocator_name(self, allocator: str | None = None) -> str:
+        """The allocator a call means: the one named, else the OOM's, else the first (GPUs first)."""
+        return self._name(allocator)
+
+    def is_fresh(self, allocator: str | None = None) -> bool:
+        """Traced from the allocator's first allocation: its whole pool is known."""
+        return self._is_fresh(self._name(allocator))
+
+    def replay(self, allocator: str | None = None, index: int = -1) -> Replay:
+        """The allocator rebuilt after event `index` (-1: the last)."""
+        name = self._name(allocator)
+        events = self._events[name]
+        return self._replay(name, index % len(events) if len(events) else -1)
 
     def _dump_of(self, name: str) -> AllocatorMap | None:
         if name in self.dumps:
@@ -200,6 +138,7 @@ class Trace:
         return None
 
     def _name(self, allocator: str | None, dump_ok: bool = False) -> str:
+        self._check_done()
         if dump_ok:
             # An OOM whose failed request was the allocator's only move in the block (a GPU with a
             # single too-large tensor): no events, but TensorFlow's dump of it.
@@ -356,6 +295,8 @@ class Trace:
 
     # -- text ----------------------------------------------------------------------------
     def __repr__(self) -> str:
+        if self._events is None:
+            return "<tfmem trace: running>"
         lines = []
         if not self._events:
             lines.append("tfmem trace: no allocator events (nothing allocated through a BFC allocator)")
@@ -386,119 +327,22 @@ class Trace:
         """Everything, losslessly: events, dumps, OOM; Trace.load gives the same maps back.
 
         The file carries a checksum of its contents, so a damaged or edited file is refused."""
-        data = {
-            "format": _FORMAT,
-            "fresh": self.fresh,
-            "growth": self._growth,
-            "oom": None if self.oom is None else vars(self.oom),
-            "dumps": {k: v.to_dict() for k, v in self.dumps.items()},
-            "text_dump": None if self.text_dump is None else self.text_dump.to_dict(),
-            "notes": list(self.notes),
-            "allocators": {
-                name: {"texts": e.texts, **{c: getattr(e, c).tolist() for c in COLUMNS}}
-                for name, e in self._events.items()
-            },
-        }
-        data["sha256"] = _checksum(data)
-        Path(path).write_text(json.dumps(data))
+        from .trace_file import save
+
+        save(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """A trace saved with to_json; a damaged, cut or edited file is refused in one line."""
-        try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError, TypeError) as exc:
-            raise TraceDataError(f"cannot read {path} ({exc}).") from None
-        try:
-            data = json.loads(text)
-            return cls._from_data(data)
-        except _Damaged as exc:
-            raise TraceDataError(f"{path} is not a sound saved tfmem trace: {exc}.") from None
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError) as exc:
-            raise TraceDataError(f"{path} is not a saved tfmem trace ({type(exc).__name__}: {exc}).") from None
+        from .trace_file import load
 
-    @classmethod
-    def _from_data(cls, data) -> "Trace":
-        if not isinstance(data, dict) or data.get("format") not in (_FORMAT, "tfmem-trace/1"):
-            raise _Damaged("it does not say it is one (format tfmem-trace/2)")
-        if data["format"] == _FORMAT:
-            stated = data.get("sha256")
-            if stated != _checksum({k: v for k, v in data.items() if k != "sha256"}):
-                raise _Damaged("its checksum does not match its contents (cut, damaged or edited)")
-        dtypes = NUMPY_TYPES
-        events = {}
-        for name, cols in data["allocators"].items():
-            lengths = {len(cols[c]) for c in COLUMNS}
-            if len(lengths) != 1:
-                raise _Damaged(f"the event columns of {name} differ in length")
-            events[name] = AllocatorEvents(allocator=name, texts=list(cols["texts"]),
-                                           **{c: np.array(cols[c], dtype=dtypes[c]) for c in COLUMNS})
-            _check_events(events[name])
-        dumps = {k: AllocatorMap.from_dict(v) for k, v in data["dumps"].items()}
-        text_dump = None if data["text_dump"] is None else AllocatorMap.from_dict(data["text_dump"])
-        for dump in [*dumps.values(), *([text_dump] if text_dump else [])]:
-            _check_dump(dump)
-        oom = None if data["oom"] is None else OomInfo(**data["oom"])
-        if oom is not None and events and oom.allocator not in events and oom.allocator not in dumps:
-            raise _Damaged(f"its OOM names allocator {oom.allocator!r}, which it has no record of")
-        growth = data["growth"]
-        if not isinstance(growth, dict) or not all(isinstance(v, bool) for v in growth.values()):
-            raise _Damaged("its growth settings are not true/false per allocator")
-        if not isinstance(data["fresh"], bool):
-            raise _Damaged("'fresh' is not true or false")
-        return cls(events, data["fresh"], growth, oom=oom, dumps=dumps, text_dump=text_dump,
-                   notes=tuple(data.get("notes", ())))
+        return load(path)
 
     def to_csv(self, path: str | Path) -> None:
         """One row per event: allocator, time, alloc/free, address, bytes, op, TensorFlow's figures."""
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["allocator", "time_ns", "event", "address", "bytes", "requested_bytes", "op",
-                             "shape", "region_type", "in_use_after", "peak_after", "fragmentation_after"])
-            for name in self.allocators:
-                e = self._events[name]
-                for i in range(len(e)):
-                    writer.writerow([
-                        name, int(e.time_ns[i]), "alloc" if e.kind[i] > 0 else "free", hex(int(e.address[i])),
-                        int(e.size[i]), int(e.requested[i]), e.text(e.op, i), e.text(e.shape, i),
-                        e.text(e.region, i), int(e.in_use[i]), int(e.peak[i]), float(e.fragmentation[i]),
-                    ])
+        from .trace_file import save_csv
 
-
-class _StderrCapture:
-    """File descriptor 2 into a temporary file for the block; shown again afterwards."""
-
-    def __init__(self):
-        self._file = None
-        self._saved = None
-
-    def start(self):
-        sys.stderr.flush()
-        self._file = tempfile.TemporaryFile(mode="w+b")
-        self._saved = os.dup(2)
-        os.dup2(self._file.fileno(), 2)
-
-    def stop(self) -> str:
-        """Fd 2 back where it was; what was captured, shown again and returned. Idempotent."""
-        data = b""
-        try:
-            if self._saved is not None:
-                try:
-                    sys.stderr.flush()
-                except Exception:
-                    pass
-                os.dup2(self._saved, 2)
-                os.close(self._saved)
-                self._saved = None
-                self._file.seek(0)
-                data = self._file.read()
-        finally:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-        if data:
-            os.write(2, data)  # the user still sees what TensorFlow logged
-        return data.decode(errors="replace")
+        save_csv(self, path)
 
 
 # The dump prefix a running trace set in the environment (so a child process can leave it out).
@@ -527,7 +371,7 @@ class trace:
     An exception in the block (an OOM, Ctrl-C) stops the profiler, keeps what was captured
     in ``t`` and propagates.
 
-    >>> with tfmem_widgets.trace() as t:
+    >>> with tfmem_widgets.trace() as t:     # t is the Trace, filled in when the block ends
     ...     model.fit(x, y, epochs=1)
     >>> t.map("peak").by_op()
     """
@@ -544,22 +388,24 @@ class trace:
         self._made_logdir = False
         self._dump_env_set = False
         self._previous_dump_env: str | None = None
-        self._stderr: _StderrCapture | None = None
+        self._stderr: StderrCapture | None = None
         self._profiling = False
 
     # -- entering: each step undone if a later one fails (or Ctrl-C comes) ----------------
-    def __enter__(self) -> "trace":
+    def __enter__(self) -> Trace:
         if self._held or self.result is not None:
             raise SetupError("this trace() block has already run; make a new one for each block.")
         if not _active.acquire(blocking=False):
             raise SetupError("a trace is already running: traces cannot nest (TensorFlow runs one profiler per process).")
         self._held = True
         try:
+            self.result = Trace._running()
             self._start()
         except BaseException:
+            self.result = None
             self._release()
             raise
-        return self
+        return self.result
 
     def _start(self) -> None:
         global _owned_dump_prefix
@@ -585,7 +431,7 @@ class trace:
             self._dump_env_set = True
             os.environ[DUMP_ENV] = self._dump_prefix
             _owned_dump_prefix = self._dump_prefix
-        self._stderr = _StderrCapture()
+        self._stderr = StderrCapture()
         self._stderr.start()
         self._profiling = True
         try:
@@ -612,12 +458,13 @@ class trace:
         if not self._held:
             return False
         try:
-            self.result = self._finish(exc)
+            self._finish(exc)
         finally:
             self._release()
         return False
 
     def _finish(self, exc: BaseException | None) -> Trace:
+        """Stop, read what the block left, and fill in the block's Trace."""
         notes = []
         if self._profiling:
             try:
@@ -655,9 +502,10 @@ class trace:
                 text_dump = parse_bfc_dump(logged)
             except TraceDataError:
                 text_dump = None  # the binary dump is the exact record; the log is a fallback
-        oom = _oom_info(exc, logged) if exc is not None else None
-        return Trace(events, self._fresh, self._growth, oom, dumps, text_dump,
-                     logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
+        oom = oom_info(exc, logged) if exc is not None else None
+        self.result._fill(events, self._fresh, self._growth, oom, dumps, text_dump,
+                          logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
+        return self.result
 
     def _restore_env(self) -> None:
         global _owned_dump_prefix
@@ -686,20 +534,14 @@ class trace:
                     try:
                         if self._made_logdir and self.keep is None and self._logdir is not None:
                             shutil.rmtree(self._logdir, ignore_errors=True)
-                        elif self._made_logdir and self.result is None and self._logdir is not None:
+                        elif self._made_logdir and not (self.result is not None and self.result.done) \
+                                and self._logdir is not None:
                             shutil.rmtree(self._logdir, ignore_errors=True)  # a refused or failed kept trace
                         self._made_logdir = False
                     finally:
                         if self._held:
                             self._held = False
                             _active.release()
-
-    # The block's `as` target is this object; its figures live in the Trace.
-    def __getattr__(self, name):
-        result = self.__dict__.get("result")
-        if result is None:
-            raise AttributeError(f"{name}: the trace has no result until its block has ended")
-        return getattr(result, name)
 
     def __repr__(self) -> str:
         return repr(self.result) if self.result is not None else "<tfmem trace: running>"

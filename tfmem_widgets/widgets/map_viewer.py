@@ -81,7 +81,7 @@ class MapViewer(FullTextForm, w.VBox):
         super().__init__(**kwargs)
         self.add_class("tfmem-map-viewer")
         self.trace = trace
-        self.allocator = trace._name(allocator)
+        self.allocator = trace.allocator_name(allocator)
         events = trace.events(self.allocator)
         last = len(events) - 1
         self.moment = w.IntSlider(value=last, min=0, max=last, description="after event",

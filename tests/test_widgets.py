@@ -177,3 +177,40 @@ def test_a_gauge_left_running_ends_with_the_process_without_a_trace_in_the_log()
     assert proc.returncode == 0, stderr[-2000:]
     assert '"samples"' in stdout
     assert "Traceback" not in stderr and "Exception" not in stderr
+
+
+def test_gauge_settings_are_traits_that_take_effect_and_refuse_bad_values_where_set(lab_session):
+    gauge = Gauge(interval=600)
+    try:
+        start = gauge.samples
+        gauge.interval = 0.1  # the sampler, asleep for 600 s, wakes and reads every 0.1 s
+        time.sleep(1.5)
+        assert gauge.samples - start >= 5
+        for bad in (1e-9, 4000, "fast"):
+            with pytest.raises(Exception) as info:
+                gauge.interval = bad
+            assert "interval" in str(info.value) and "\n" not in str(info.value)
+        assert gauge.interval == 0.1
+        gauge.device = "cpu"  # normalized as the magic's -d is
+        assert gauge.device == "CPU:0" and repr(gauge).splitlines()[1].startswith("  CPU:0")
+        with pytest.raises(SetupError, match="no device 'GPU:7'"):
+            gauge.device = "GPU:7"
+        assert gauge.device == "CPU:0"
+    finally:
+        gauge.close()
+
+
+def test_the_map_viewers_allocator_is_a_trait(lab_session):
+    import tensorflow as tf
+
+    with tfmem_widgets.trace() as t:
+        with tf.device("CPU:0"):
+            x = tf.zeros((1024,))
+    viewer = MapViewer(t)
+    assert viewer.allocator == "bfc_cpu_allocator_for_gpu"
+    with pytest.raises(SetupError, match="no events of allocator"):
+        viewer.allocator = "GPU_7_bfc"
+    assert viewer.allocator == "bfc_cpu_allocator_for_gpu" and viewer.current_map is not None
+    with pytest.raises(SetupError, match="no events of allocator"):
+        MapViewer(t, "GPU_7_bfc")
+    del x

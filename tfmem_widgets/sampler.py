@@ -65,6 +65,21 @@ class Sample:
     host_rss_bytes: int
     host_total_bytes: int
 
+    def lines(self, device: str | None = None) -> list[str]:
+        """The reading as text, a line per device (only `device` if given), then the cards."""
+        from .units import format_bytes
+
+        out = []
+        for d in self.devices:
+            if device is None or d.name == device:
+                out.append(f"{d.name}: in use {format_bytes(d.in_use_bytes)}, peak {format_bytes(d.peak_bytes)}, "
+                           f"limit {format_bytes(d.limit_bytes)}")
+        for gpu in self.gpus:
+            out.append(f"GPU {gpu.index} (NVML): {format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}")
+        if not self.runtime_started:
+            out.append("TensorFlow's runtime has not started")
+        return out
+
 
 _read_lock = threading.Lock()
 _static: dict | None = None  # devices and limits, fixed once the runtime has started
@@ -175,6 +190,15 @@ class Sampler:
                 self._thread = threading.Thread(target=self._run, name="tfmem-sampler", daemon=True)
                 self._thread.start()
         return token
+
+    def set_interval(self, token: int, interval: float) -> None:
+        """A subscriber's new interval, in effect from the next wait (the thread wakes now)."""
+        interval = check_interval(interval)
+        with self._lock:
+            if token in self._subscribers:
+                callback, _ = self._subscribers[token]
+                self._subscribers[token] = (callback, interval)
+                self._changed.set()
 
     def unsubscribe(self, token: int) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ import weakref
 from collections import deque
 
 import ipywidgets as w
+import traitlets
 
 from ..sampler import DEFAULT_INTERVAL, Sample, check_interval, on_after_cell, on_unload, read_sample, sampler
 from ..units import format_bytes
@@ -44,6 +45,36 @@ class Gauge(FullTextForm, w.VBox):
 
     >>> tfmem_widgets.Gauge(interval=0.5)      # or %tfmem watch
     """
+
+    # Settings are traits: `gauge.interval = 2` takes effect at once, a bad value is refused where
+    # it is set (the sampler's rule, 0.01 to 3600 s); `gauge.device = "CPU:0"` switches the device.
+    interval = traitlets.Float(DEFAULT_INTERVAL)
+    device = traitlets.Unicode(None, allow_none=True)
+
+    @traitlets.validate("interval")
+    def _valid_interval(self, proposal):
+        return check_interval(proposal["value"])
+
+    @traitlets.validate("device")
+    def _valid_device(self, proposal):
+        value = proposal["value"]
+        if value is None:
+            return None
+        from ..runtime import resolve_device
+
+        return resolve_device(value).name  # one line naming the devices that exist, if not one
+
+    @traitlets.observe("interval")
+    def _interval_changed(self, change):
+        if self.__dict__.get("_token") is not None:
+            sampler.set_interval(self._token, change["new"])
+
+    @traitlets.observe("device")
+    def _device_changed(self, change):
+        if self.__dict__.get("_token") is not None:
+            with self._lock:
+                self._history.clear()
+            self.refresh()
 
     def __init__(self, interval: float = DEFAULT_INTERVAL, device: str | None = None, **kwargs):
         interval = check_interval(interval)  # refused before any widget or thread exists
@@ -193,16 +224,8 @@ class Gauge(FullTextForm, w.VBox):
         sample = self._last
         if sample is None:
             return "<tfmem gauge>"
-        lines = [f"tfmem gauge ({'running' if self.running else 'stopped'}, every {self.interval:g} s)"]
-        for d in sample.devices:
-            if self.device is None or d.name == self.device:
-                lines.append(f"  {d.name}: in use {format_bytes(d.in_use_bytes)}, peak {format_bytes(d.peak_bytes)}, "
-                             f"limit {format_bytes(d.limit_bytes)}")
-        for gpu in sample.gpus:
-            lines.append(f"  GPU {gpu.index} (NVML): {format_bytes(gpu.used_bytes)} used of {format_bytes(gpu.total_bytes)}")
-        if not sample.runtime_started:
-            lines.append("  TensorFlow's runtime has not started")
-        return "\n".join(lines)
+        head = f"tfmem gauge ({'running' if self.running else 'stopped'}, every {self.interval:g} s)"
+        return "\n".join([head] + ["  " + line for line in sample.lines(self.device)])
 
 
 def refresh_all() -> None:

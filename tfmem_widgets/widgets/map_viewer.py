@@ -11,6 +11,7 @@ from __future__ import annotations
 from html import escape
 
 import ipywidgets as w
+import traitlets
 
 from ..allocator_map import AllocatorMap, op_label
 from ..units import format_bytes
@@ -75,13 +76,32 @@ class MapViewer(FullTextForm, w.VBox):
     """A trace's allocator map with a time slider, the peak and the OOM one click away.
 
     >>> tfmem_widgets.MapViewer(trace)     # %%tfmem trace shows one
+    >>> viewer.allocator = "GPU_0_bfc"       # another allocator of the same trace
     """
 
+    allocator = traitlets.Unicode()
+
+    @traitlets.validate("allocator")
+    def _valid_allocator(self, proposal):
+        trace = self.__dict__.get("trace")
+        return proposal["value"] if trace is None else trace.allocator_name(proposal["value"])
+
+    @traitlets.observe("allocator")
+    def _allocator_changed(self, change):
+        if self.__dict__.get("_built"):
+            self._build()
+
     def __init__(self, trace, allocator: str | None = None, **kwargs):
+        self.trace = trace
+        name = trace.allocator_name(allocator)  # refused in one line before any widget exists
         super().__init__(**kwargs)
         self.add_class("tfmem-map-viewer")
-        self.trace = trace
-        self.allocator = trace.allocator_name(allocator)
+        self._built = False
+        self.allocator = name
+        self._build()
+
+    def _build(self) -> None:
+        trace = self.trace
         events = trace.events(self.allocator)
         last = len(events) - 1
         self.moment = w.IntSlider(value=last, min=0, max=last, description="after event",
@@ -105,6 +125,7 @@ class MapViewer(FullTextForm, w.VBox):
         self.peak_button.on_click(lambda _: self.show_peak())
         self.end_button.on_click(lambda _: self.show_end())
         self._map: AllocatorMap | None = None
+        self._built = True
         self._show()
 
     def show_peak(self) -> None:

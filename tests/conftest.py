@@ -58,7 +58,27 @@ def _gpu_available() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
+# The tier of each test file (README: `python3 dev.py test -m "not slow"` for a fast loop).
+TIERS = {
+    "test_setup_rules.py": "unit", "test_units_and_reserve.py": "unit", "test_xplane_wire.py": "unit",
+    "test_nvml_here.py": "unit", "test_damaged_files.py": "process", "test_environment.py": "process",
+    "test_magics.py": "magic", "test_trace.py": "magic", "test_fresh_run.py": "process",
+    "test_fresh_transport.py": "process", "test_fresh_process.py": "process", "test_trace_oom.py": "process",
+    "test_trace_files.py": "process", "test_start_stop.py": "process", "test_widgets.py": "widget",
+    "test_browser.py": "browser", "test_gpu.py": "gpu", "test_workbook.py": "notebook", "test_wheel.py": "process",
+}
+SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        tier = "notebook" if name.endswith(".ipynb") else TIERS.get(name)
+        if tier is None:
+            raise pytest.UsageError(f"{name} has no tier in tests/conftest.py TIERS: add it")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier in SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _gpu_available():
         return

@@ -98,14 +98,14 @@ def test_a_failure_half_way_through_applying_undoes_what_was_done():
     out = run_fresh(
         """
         import json, os
-        from tfmem_widgets.device_setup import _apply
+        from tfmem_widgets.device_setup import apply_steps
         from tfmem_widgets.setup_rules import Step
         before = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
         steps = [Step("env", "TF_CPU_ALLOCATOR_USE_BFC", "true", ""),
                  Step("cpus", None, 2, ""),
                  Step("no-such-kind", None, None, "")]
         try:
-            _apply(steps)
+            apply_steps(steps)
         except AssertionError:
             pass
         import tensorflow as tf

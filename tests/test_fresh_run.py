@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 
 import tfmem_widgets
 from tfmem_widgets.workbook import gpu_experiments
-from tfmem_widgets.fresh import FreshRunError, _without_native_logs, run_fresh
+from tfmem_widgets.fresh import FreshRunError, without_native_logs, run_fresh
 from tfmem_widgets.measure import Measurement
 from tfmem_widgets.runtime import LAB_LIMIT_ENV
 from tfmem_widgets.trace import Trace
@@ -131,7 +131,7 @@ def test_tensorflow_native_log_lines_are_dropped_and_python_text_kept():
         "/work/x.py:3: UserWarning: look at this\n",
         "  warnings.warn('look at this')\n",
     ]
-    assert _without_native_logs(text) == text[4] + text[5]
+    assert without_native_logs(text) == text[4] + text[5]
 
 
 def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_from():
@@ -149,8 +149,8 @@ def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_fro
     libraries = env["libraries"]
     assert set(libraries) == {"cuBLAS", "cuFFT", "cuSOLVER", "cuSPARSE", "cuDNN"}
     assert set(libraries.values()) <= {"real", "stand-in", "not loaded"}
-    assert gpu_experiments._libraries_label(libraries) in repr(result)
-    assert gpu_experiments._libraries_label({"cuBLAS": "real", "cuFFT": "stand-in", "cuSOLVER": "stand-in",
+    assert gpu_experiments.libraries_label(libraries) in repr(result)
+    assert gpu_experiments.libraries_label({"cuBLAS": "real", "cuFFT": "stand-in", "cuSOLVER": "stand-in",
                                              "cuDNN": "not loaded"}) == (
         "cuBLAS real; cuFFT, cuSOLVER empty stand-ins; cuDNN not loaded")
     # The later experiments' figures agree with what they print: a second process gets free memory

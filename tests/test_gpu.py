@@ -273,10 +273,10 @@ def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
         from tfmem_widgets.widgets import Gauge, SetupPanel
         gauge = Gauge(interval=0.1)
         import time; time.sleep(0.5)
-        sample = gauge._last
+        sample = gauge.last_sample
         card = nvml.read_gpus()[0]
         panel = SetupPanel()
-        rows = {name: (row["in_use"].value, row["in_use"].max) for name, row in gauge._rows.items()}
+        rows = {name: (row["in_use"].value, row["in_use"].max) for name, row in gauge.rows.items()}
         gauge.close()
         print(json.dumps({"rows": rows, "devices": [[d.name, d.in_use_bytes, d.limit_bytes] for d in sample.devices],
                           "card_total": card.total_bytes, "slider_max": panel.limit.max,

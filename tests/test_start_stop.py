@@ -69,11 +69,11 @@ class State:
         extra = open_fds() - self.fds
         if extra:
             out.append(f"file descriptors left open: {sorted(extra)}")
-        if trace_module._active.locked():
+        if trace_module.tracing():
             out.append("the trace lock is held")
         if getattr(trace_module, "owned_dump_prefix", lambda: None)() is not None:
             out.append("a dump prefix is still owned")
-        if measure_module._active:
+        if measure_module.running_measurements():
             out.append("a measurement is still active")
         if psutil.Process().children(recursive=True):
             out.append("a child process is alive")
@@ -126,7 +126,7 @@ def test_an_interrupt_at_each_step_of_starting_a_trace_leaves_nothing(warm):
 
     def finish():
         block = held.pop("block", None)
-        if block is not None and block.__dict__.get("_held"):
+        if block is not None and block.running:
             block.__exit__(None, None, None)  # entered whole: leave it
 
     sites = check_every_step(TRACE_STEPS, enter, finish=finish)
@@ -213,8 +213,8 @@ def test_an_interrupt_at_each_step_of_making_a_gauge_leaves_no_subscriber(lab_se
             time.sleep(0.05)
 
     check_every_step(steps, whole, finish=finish, settle=settle)
-    assert not sampler._subscribers and not sampler.running
-    assert not [g for g in list(gauge_module._live) if g.running]
+    assert sampler.subscriber_count == 0 and not sampler.running
+    assert not gauge_module.running_gauges()
 
 
 # -- fault 16: Ctrl-C while the profiler starts -----------------------------------------------
@@ -258,8 +258,8 @@ def test_a_short_interval_made_after_a_long_one_is_read_on_time(lab_session):
 def test_a_gauge_interval_is_checked_where_it_is_given(lab_session, interval):
     from tfmem_widgets.widgets.gauge import Gauge
 
-    subscribers = dict(sampler._subscribers)
+    subscribers = sampler.subscriber_count
     with pytest.raises(SetupError) as info:
         Gauge(interval=interval)
     assert "\n" not in str(info.value) and "interval" in str(info.value)
-    assert sampler._subscribers == subscribers
+    assert sampler.subscriber_count == subscribers

@@ -13,7 +13,7 @@ from tfmem_widgets import Trace, TraceDataError, trace
 from tfmem_widgets.units import format_bytes
 from tfmem_widgets.xplane import read_xspace
 
-from conftest import finish_fresh, start_fresh
+from conftest import finish_fresh, run_fresh, start_fresh
 
 matplotlib.use("Agg")
 MiB = 1 << 20
@@ -152,18 +152,21 @@ def test_corrupt_truncated_and_empty_files_are_refused(lab_session, tmp_path):
         Trace.load(tmp_path / "bad.json")
 
 
-def test_cuda_malloc_async_without_lab_mode_has_nothing_to_trace(lab_session, monkeypatch):
-    from tfmem_widgets import runtime
-
-    # As if TensorFlow had read these when its runtime started (what counts, not the environment now).
-    monkeypatch.setattr(runtime, "_read_at_start", {name: None for name in runtime.SETUP_ENV_VARS}
-                        | {"TF_GPU_ALLOCATOR": "cuda_malloc_async"})
-    with pytest.raises(tfmem_widgets.SetupError, match="cuda_malloc_async"):
-        with trace():
-            pass
-    monkeypatch.undo()
-    with trace():  # refused before anything started: the next trace works
+def test_cuda_malloc_async_without_lab_mode_has_nothing_to_trace():
+    out = run_fresh("""
+import importlib, json, tfmem_widgets
+import tensorflow as tf
+x = tf.zeros((4,))                         # the runtime starts with TF_GPU_ALLOCATOR as exported
+try:
+    with tfmem_widgets.trace():
         pass
+    refused = None
+except tfmem_widgets.SetupError as exc:
+    refused = str(exc)
+print(json.dumps({"refused": refused, "tracing": importlib.import_module("tfmem_widgets.trace").tracing()}))
+""", env={"TF_GPU_ALLOCATOR": "cuda_malloc_async"})
+    assert "cuda_malloc_async" in out["refused"] and "\n" not in out["refused"]
+    assert out["tracing"] is False  # refused before anything started
 
 
 def test_json_and_csv_exports_round_trip(lab_session, tmp_path):

@@ -42,7 +42,7 @@ def test_the_gauge_moves_while_the_main_thread_is_busy_and_stops_cleanly(lab_ses
     with tf.device("CPU:0"):
         tf.zeros((1,))  # the runtime runs (a gauge never starts it itself)
     gauge = Gauge(interval=0.05, device="CPU:0")
-    row = gauge._rows["CPU:0"]
+    row = gauge.rows["CPU:0"]
     with tf.device("CPU:0"):
         held = tf.zeros((8 << 20,))  # 32 MiB
     # The main thread is busy (sleeping, as in a long cell): only the sampler thread updates.
@@ -72,7 +72,7 @@ def test_after_each_cell_running_gauges_read_again(shell):
     before = gauge.samples
     shell.run_cell("import tensorflow as tf\nwith tf.device('CPU:0'):\n    kept_for_gauge = tf.ones((1 << 18,))")
     assert gauge.samples == before + 1
-    assert gauge._rows["CPU:0"]["in_use"].value == cpu_in_use()
+    assert gauge.rows["CPU:0"]["in_use"].value == cpu_in_use()
     shell.run_line_magic("tfmem", "watch stop")
     assert not gauge.running
     shell.run_cell("del kept_for_gauge")

@@ -100,7 +100,8 @@ def _restore_env(name: str, previous: str | None):
         os.environ[name] = previous
 
 
-def _apply(steps: Sequence[Step]) -> None:
+def apply_steps(steps: Sequence[Step]) -> None:
+    """Apply a plan's steps in order; on any failure (or Ctrl-C) undo what was done, then raise."""
     tf = tensorflow()
     gpus = tf.config.list_physical_devices("GPU")
     undo = _Undo()
@@ -187,5 +188,5 @@ def setup(
         cpus=cpus,
     )
     plan = plan_setup(request, current_state())
-    _apply(plan.steps)
+    apply_steps(plan.steps)
     return SetupResult(plan)

@@ -73,7 +73,7 @@ def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] 
     return child
 
 
-def _without_native_logs(lines) -> str:
+def without_native_logs(lines) -> str:
     """The child's stderr without TensorFlow's C++ log lines (and their continuation lines)."""
     kept, in_log = [], False
     for line in lines:
@@ -198,7 +198,7 @@ def run_fresh(
                 proc.wait()
                 proc.stdout.close()
             stderr.seek(0)
-            errors = _without_native_logs(stderr.read().decode(errors="replace").splitlines(keepends=True))
+            errors = without_native_logs(stderr.read().decode(errors="replace").splitlines(keepends=True))
         if errors and echo:
             sys.stderr.write(errors)
         result_file = work_dir / "result.json"

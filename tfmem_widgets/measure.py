@@ -21,6 +21,12 @@ _lock = threading.RLock()
 _active: list["Measurement"] = []
 
 
+def running_measurements() -> tuple["Measurement", ...]:
+    """The measure() blocks running now, outermost first."""
+    with _lock:
+        return tuple(_active)
+
+
 def _reset_peak(device: str, peak: int) -> None:
     with _lock:
         note_peak(device, peak)

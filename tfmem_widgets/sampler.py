@@ -178,6 +178,11 @@ class Sampler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def subscriber_count(self) -> int:
+        with self._lock:
+            return len(self._subscribers)
+
     def subscribe(self, callback: Callable[[Sample], None], interval: float = DEFAULT_INTERVAL) -> int:
         interval = check_interval(interval)
         with self._lock:

@@ -349,6 +349,11 @@ class Trace:
 _owned_dump_prefix: str | None = None
 
 
+def tracing() -> bool:
+    """Whether a trace is running in this process (TensorFlow runs one profiler per process)."""
+    return _active.locked()
+
+
 def owned_dump_prefix() -> str | None:
     """TF_BFC_MEMORY_DUMP as a running trace set it, or None (a user's own value is theirs)."""
     return _owned_dump_prefix
@@ -390,6 +395,11 @@ class trace:
         self._previous_dump_env: str | None = None
         self._stderr: StderrCapture | None = None
         self._profiling = False
+
+    @property
+    def running(self) -> bool:
+        """Entered and not yet left."""
+        return self._held
 
     # -- entering: each step undone if a later one fails (or Ctrl-C comes) ----------------
     def __enter__(self) -> Trace:

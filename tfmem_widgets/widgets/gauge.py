@@ -196,6 +196,16 @@ class Gauge(FullTextForm, w.VBox):
             self.children = children
 
     @property
+    def last_sample(self) -> Sample | None:
+        """The reading shown last."""
+        return self._last
+
+    @property
+    def rows(self) -> dict[str, dict[str, w.Widget]]:
+        """Per device (and 'card N' per GPU): its widgets ('in_use', 'peak' bars, 'text')."""
+        return dict(self._rows)
+
+    @property
     def readings(self) -> list[int]:
         """The recent in-use readings (bytes, oldest first) of the device the sparkline follows."""
         with self._lock:
@@ -233,6 +243,11 @@ def refresh_all() -> None:
     for gauge in list(_live):
         if gauge.running:
             gauge.refresh()
+
+
+def running_gauges() -> list["Gauge"]:
+    """The gauges of this process still updating."""
+    return [g for g in list(_live) if g.running]
 
 
 def stop_all() -> int:

@@ -456,7 +456,7 @@ for name, (stem, symbol) in symbols.items():
 """
 
 
-def _libraries_label(libraries: dict[str, str]) -> str:
+def libraries_label(libraries: dict[str, str]) -> str:
     """E.g. 'cuBLAS real; cuFFT, cuSOLVER, cuSPARSE empty stand-ins; cuDNN not loaded'."""
     parts = []
     for state, one, several in (("real", "real", "real"), ("stand-in", "an empty stand-in", "empty stand-ins"),
@@ -502,7 +502,7 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     entry = recorded["experiments"][name]
     label = recorded["environment"]
     source = (f"recorded on {label['device']} (driver {label['driver']}), TensorFlow {label['tensorflow']}, "
-              f"{label['date']}; {_libraries_label(label['libraries'])}: no GPU here, so not run live")
+              f"{label['date']}; {libraries_label(label['libraries'])}: no GPU here, so not run live")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)
 
 

@@ -336,7 +336,7 @@ class Trace:
         """A trace saved with to_json; a damaged, cut or edited file is refused in one line."""
         from .trace_file import load
 
-        return load(path)
+        return load(path, cls)
 
     def to_csv(self, path: str | Path) -> None:
         """One row per event: allocator, time, alloc/free, address, bytes, op, TensorFlow's figures."""

@@ -6,17 +6,12 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .allocator_map import AllocatorMap
 from .errors import TraceDataError
 from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
 from .oom import OomInfo
-
-if TYPE_CHECKING:
-    from .trace import Trace
 
 
 _FORMAT = "tfmem-trace/2"
@@ -92,7 +87,7 @@ def _check_dump(dump: AllocatorMap) -> None:
         raise _Damaged(f"the dump of {dump.allocator} has chunks outside its regions")
 
 
-def save(trace: "Trace", path: str | Path) -> None:
+def save(trace, path: str | Path) -> None:
     """Everything, losslessly: events, dumps, OOM; Trace.load gives the same maps back.
 
     The file carries a checksum of its contents, so a damaged or edited file is refused."""
@@ -112,21 +107,22 @@ def save(trace: "Trace", path: str | Path) -> None:
     data["sha256"] = checksum(data)
     Path(path).write_text(json.dumps(data))
 
-def load(path: str | Path) -> "Trace":
-    """A trace saved with to_json; a damaged, cut or edited file is refused in one line."""
+def load(path: str | Path, make):
+    """A trace saved with save, built by `make` (the Trace class); a damaged, cut or edited file is
+    refused in one line."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError, TypeError) as exc:
         raise TraceDataError(f"cannot read {path} ({exc}).") from None
     try:
         data = json.loads(text)
-        return _from_data(data)
+        return _from_data(data, make)
     except _Damaged as exc:
         raise TraceDataError(f"{path} is not a sound saved tfmem trace: {exc}.") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError) as exc:
         raise TraceDataError(f"{path} is not a saved tfmem trace ({type(exc).__name__}: {exc}).") from None
 
-def _from_data(data) -> "Trace":
+def _from_data(data, make):
     if not isinstance(data, dict) or data.get("format") not in (_FORMAT, "tfmem-trace/1"):
         raise _Damaged("it does not say it is one (format tfmem-trace/2)")
     if data["format"] == _FORMAT:
@@ -154,13 +150,11 @@ def _from_data(data) -> "Trace":
         raise _Damaged("its growth settings are not true/false per allocator")
     if not isinstance(data["fresh"], bool):
         raise _Damaged("'fresh' is not true or false")
-    from .trace import Trace
-
-    return Trace(events, data["fresh"], growth, oom=oom, dumps=dumps, text_dump=text_dump,
+    return make(events, data["fresh"], growth, oom=oom, dumps=dumps, text_dump=text_dump,
                notes=tuple(data.get("notes", ())))
 
 
-def save_csv(trace: "Trace", path: str | Path) -> None:
+def save_csv(trace, path: str | Path) -> None:
     """One row per event: allocator, time, alloc/free, address, bytes, op, TensorFlow's figures."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)

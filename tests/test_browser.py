@@ -1,6 +1,7 @@
-"""The panels in a real browser: JupyterLab, Debian's Chromium, driven by Playwright.
+"""The panels in a real browser: JupyterLab 4 and Jupyter Notebook 7 (one server serves both), Debian's
+Chromium, driven by Playwright.
 
-A notebook is opened and run; the test checks in the page that the gauge renders, that its
+A notebook is opened and run in each frontend; the test checks in the page that the gauge renders, that its
 in-use figure changes while a training cell runs, that the setup panel shows a conflict for a
 conflicting choice, and that a traced OOM shows the map viewer. Screenshots go to
 ci-artifacts/screenshots/. Every wait has a deadline, and the server is stopped at the end.
@@ -81,7 +82,7 @@ def jupyterlab(tmp_path):
     args = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
             f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}",
             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.expose_app_in_browser=True",
-            "--ServerApp.open_browser=False"]
+            "--JupyterNotebookApp.expose_app_in_browser=True", "--ServerApp.open_browser=False"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -114,8 +115,15 @@ def _in_use_bytes(page) -> int | None:
     return None if text in (None, "None") else int(text)
 
 
-def test_panels_in_jupyterlab(jupyterlab):
+# The same notebook in each frontend: JupyterLab's document page, and Notebook 7's.
+FRONTENDS = {"jupyterlab": "/lab/tree/browser_check.ipynb", "notebook7": "/notebooks/browser_check.ipynb"}
+
+
+@pytest.mark.parametrize("frontend", sorted(FRONTENDS))
+def test_panels_in_each_frontend(jupyterlab, frontend):
     from playwright.sync_api import sync_playwright
+
+    prefix = "" if frontend == "jupyterlab" else f"{frontend}_"
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
@@ -127,7 +135,7 @@ def test_panels_in_jupyterlab(jupyterlab):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.set_default_timeout(60_000)
-            page.goto(f"{jupyterlab}/lab/tree/browser_check.ipynb?token={TOKEN}")
+            page.goto(f"{jupyterlab}{FRONTENDS[frontend]}?token={TOKEN}")
             page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=90_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_function(
@@ -154,7 +162,7 @@ def test_panels_in_jupyterlab(jupyterlab):
                 if now != first and running:
                     changed_while_running = True
                     if not shot_taken:
-                        page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / "gauge.png"))
+                        page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / f"{prefix}gauge.png"))
                         shot_taken = True
                     if now is not None and first is not None and now - first >= 16 << 20:
                         break
@@ -162,25 +170,33 @@ def test_panels_in_jupyterlab(jupyterlab):
                     break
                 time.sleep(0.25)
             if not changed_while_running:
-                page.screenshot(path=str(SHOTS / "failure.png"), full_page=True)
+                page.screenshot(path=str(SHOTS / f"{prefix}failure.png"), full_page=True)
             assert changed_while_running, f"the gauge's in-use figure did not change while the cell ran: {seen}"
-            page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / "gauge.png"))
+            page.locator(".tfmem-gauge").first.screenshot(path=str(SHOTS / f"{prefix}gauge.png"))
 
             # The setup panel: a limit for lab mode after the runtime has started is refused.
             panel = page.locator(".tfmem-setup-panel").first
             panel.wait_for(timeout=120_000)
-            handle = panel.locator(".noUi-handle").last
-            handle.focus()
-            handle.press("ArrowRight")
-            page.wait_for_selector(".tfmem-setup-panel .tfmem-conflict", timeout=30_000)
+            # A click on the lab limit's track (the last slider; the GPU limit's is off here) moves it:
+            # a keyboard press would go to the frontend's own shortcuts in Notebook 7.
+            track = panel.locator(".noUi-target").last
+            track.scroll_into_view_if_needed()
+            box = track.bounding_box()
+            page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + box["height"] / 2)
+            try:
+                page.wait_for_selector(".tfmem-setup-panel .tfmem-conflict", timeout=30_000)
+            except Exception:
+                page.screenshot(path=str(SHOTS / f"{prefix}failure.png"), full_page=True)
+                panel.screenshot(path=str(SHOTS / f"{prefix}setup_panel_failure.png"))
+                raise
             assert "already started" in panel.locator(".tfmem-conflict").inner_text()
-            panel.screenshot(path=str(SHOTS / "setup_panel.png"))
+            panel.screenshot(path=str(SHOTS / f"{prefix}setup_panel.png"))
 
             # The traced OOM shows the map viewer, marked as an OOM.
             viewer = page.locator(".tfmem-map-viewer").first
             viewer.wait_for(timeout=120_000)
             assert "ended in an OOM" in viewer.inner_text()
             assert viewer.locator("svg.tfmem-map rect.tfmem-chunk").count() > 3
-            viewer.screenshot(path=str(SHOTS / "map_viewer.png"))
+            viewer.screenshot(path=str(SHOTS / f"{prefix}map_viewer.png"))
         finally:
             browser.close()

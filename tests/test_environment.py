@@ -176,3 +176,15 @@ def test_every_spelling_reads_as_tensorflow_acts(tensorflow_readings, index):
         assert seen["large"], "no limit, or TensorFlow's default of 64 GiB"
     if limit is None:
         assert predicted["limit_mb"] == LAB_DEFAULT_LIMIT_MB
+
+
+def test_a_bare_setup_keeps_an_exported_lab_switch_even_when_its_default_exceeds_the_host():
+    # Only the switch exported: TensorFlow's default of 64 GiB, more than a 24 GiB machine has.
+    plan = plan_setup(SetupRequest(), cpu_state(env("true")))
+    assert plan.lab_mb == LAB_DEFAULT_LIMIT_MB and plan.steps == ()
+    assert any("more than this machine's" in n for n in plan.notes)
+    # Asked explicitly, the same limit is refused.
+    with pytest.raises(Exception, match="choose a smaller --lab"):
+        plan_setup(SetupRequest(lab_mb=LAB_DEFAULT_LIMIT_MB), cpu_state(env("1", "64")))
+    plan = plan_setup(SetupRequest(), cpu_state(env("1", "-1")))
+    assert len(plan.notes) == len(set(plan.notes)), "each note once"

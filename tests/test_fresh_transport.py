@@ -186,3 +186,34 @@ def test_a_bad_setup_is_a_setup_error_here_before_any_process(setup, expected, m
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     with pytest.raises(SetupError, match=expected):
         run_fresh("x = 1", setup=setup, echo=False)
+
+
+def test_the_setup_reaches_the_child_as_checked():
+    # NumPy integers are whole numbers (normalized here), and arrive as ints, not as JSON's text.
+    run = run_fresh("import tensorflow as tf\nn = len(tf.config.list_logical_devices('CPU'))",
+                    setup={"cpus": np.int64(2), "lab_mb": np.int32(64)}, returns=["n"], echo=False)
+    assert run.values == {"n": 2}
+
+
+def test_a_thread_the_cell_leaves_running_does_not_hold_the_results():
+    code = ("import threading, time\nthreading.Thread(target=time.sleep, args=(120,)).start()\nx = 5\n")
+    started = time.monotonic()
+    run = run_fresh(code, returns=["x"], timeout=60, echo=False)
+    assert run.values == {"x": 5} and time.monotonic() - started < 30
+
+
+def test_a_kernel_with_more_than_1024_open_files_still_runs_fresh_cells(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    opened = [open(tmp_path / "held", "a") for _ in range(1100)]
+    try:
+        assert max(f.fileno() for f in opened) >= 1024
+        assert run_fresh("x = 1", returns=["x"], echo=False).values == {"x": 1}
+    finally:
+        for f in opened:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

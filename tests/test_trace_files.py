@@ -193,3 +193,31 @@ def test_a_trace_object_runs_once(lab_session):
     with pytest.raises(SetupError, match="folder's path"):
         trace(keep=42)
     assert tfmem_widgets.trace is trace
+
+
+def test_a_trace_that_cannot_be_read_keeps_the_blocks_exception_and_the_kept_files(lab_session, tmp_path,
+                                                                                       monkeypatch):
+    import importlib
+
+    import tensorflow as tf
+
+    from tfmem_widgets import TraceDataError
+
+    trace_module = importlib.import_module("tfmem_widgets.trace")
+
+    def damaged(path):
+        raise TraceDataError(f"{path} is not a readable profiler trace (truncated).")
+
+    monkeypatch.setattr(trace_module, "read_xplane_file", damaged)
+    with pytest.raises(ZeroDivisionError):  # the block's own error, not the trace's
+        with trace(keep=tmp_path / "kept") as t:
+            with tf.device("CPU:0"):
+                tf.zeros((16,))
+            1 / 0
+    assert t.done and any("could not be read" in n for n in t.notes)
+    with pytest.raises(TraceDataError):  # a block that ended well: the trace's failure is the error
+        with trace(keep=tmp_path / "again"):
+            with tf.device("CPU:0"):
+                tf.zeros((16,))
+    # Neither kept folder was deleted: the files are the user's to look at.
+    assert list((tmp_path / "kept").rglob("*.xplane.pb")) and list((tmp_path / "again").rglob("*.xplane.pb"))

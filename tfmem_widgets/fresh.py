@@ -13,6 +13,7 @@ process (lab mode, growth, allocator), only with those the caller passes.
 from __future__ import annotations
 
 import json
+import pickle
 import os
 import re
 import subprocess
@@ -32,7 +33,10 @@ _NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d
                          r"|WARNING: All log messages before absl::InitializeLog\(\))")
 # What Python itself writes to stderr (a traceback, a warning): never taken for a log line's tail.
 _PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b)")
-_CHILD = "import sys\nfrom tfmem_widgets.fresh import _child_main\nsys.exit(_child_main(sys.argv[1]))\n"
+# The child ends as soon as its results are written: a thread the cell left running, or a slow
+# exit of TensorFlow's, cannot hold the results back until the timeout.
+_CHILD = ("import os, sys\nfrom tfmem_widgets.fresh import _child_main\ncode = _child_main(sys.argv[1])\n"
+          "sys.stdout.flush(); sys.stderr.flush()\nos._exit(code)\n")
 
 
 @dataclass
@@ -111,10 +115,11 @@ def _check_timeout(timeout) -> float | None:
     return float(timeout)
 
 
-def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> None:
-    """The setup and environment asked for, checked here before a process is started."""
+def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> dict | None:
+    """The setup and environment asked for, checked here before a process is started; returns the
+    setup as setup()'s keywords, normalized (plain ints, GPU indices as int keys)."""
     if setup is None:
-        return
+        return None
     if not isinstance(setup, Mapping):
         raise SetupError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
     unknown = [key for key in setup if key not in _SETUP_KEYS]
@@ -122,11 +127,12 @@ def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | Non
         raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(_SETUP_KEYS)}.")
     from .setup_rules import SetupRequest
 
-    SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
+    request = SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
     for key, names in _SETUP_WRITES.items():
         clash = [name for name in names if setup.get(key) is not None and name in (env or {})]
         if clash:
             raise SetupError(f"{clash[0]} is set in env and by the setup option {key}: give one of them.")
+    return {key: value for key, value in vars(request).items() if value is not None}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -180,11 +186,12 @@ def run_fresh(
     if bad:
         raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
     timeout = _check_timeout(timeout)
-    _check_request(setup, env)
+    setup = _check_request(setup, env)
     with tempfile.TemporaryDirectory(prefix="tfmem-fresh-") as work:
         work_dir = Path(work)
-        (work_dir / "job.json").write_text(json.dumps(
-            {"code": code, "setup": None if setup is None else dict(setup), "returns": list(returns)}))
+        # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
+        (work_dir / "job.pickle").write_bytes(pickle.dumps(
+            {"code": code, "setup": setup, "returns": list(returns)}))
         with open(work_dir / "stderr.txt", "w+b") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
@@ -224,7 +231,7 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
     gets _GRACE seconds after the child has gone. Bytes that are not UTF-8 are replaced.
     """
     import codecs
-    import select
+    import selectors
     import time
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -233,28 +240,33 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
     deadline = None if timeout is None else time.monotonic() + timeout
     ended_at = None
     timed_out = False
-    while True:
-        now = time.monotonic()
-        if deadline is not None and not timed_out and now >= deadline:
-            timed_out = True
-            _kill_group(proc)
-        if ended_at is None and proc.poll() is not None:
-            ended_at = now
-        if ended_at is not None and now - ended_at > _GRACE:
-            break
-        wait = 0.1 if deadline is None or timed_out else max(0.0, min(0.1, deadline - now))
-        ready, _, _ = select.select([fd], [], [], wait)
-        if not ready:
-            continue
-        data = os.read(fd, 65536)
-        if not data:
-            break
-        text = decoder.decode(data)
-        if text:
-            pieces.append(text)
-            if echo:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+    # poll/epoll: any descriptor number (select() stops at 1024, which a long-lived kernel passes)
+    selector = selectors.DefaultSelector()
+    try:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            now = time.monotonic()
+            if deadline is not None and not timed_out and now >= deadline:
+                timed_out = True
+                _kill_group(proc)
+            if ended_at is None and proc.poll() is not None:
+                ended_at = now
+            if ended_at is not None and now - ended_at > _GRACE:
+                break
+            wait = 0.1 if deadline is None or timed_out else max(0.0, min(0.1, deadline - now))
+            if not selector.select(wait):
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            text = decoder.decode(data)
+            if text:
+                pieces.append(text)
+                if echo:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+    finally:
+        selector.close()
     tail = decoder.decode(b"", final=True)
     if tail:
         pieces.append(tail)
@@ -331,7 +343,7 @@ def _decode(name: str, work_dir: Path) -> Any:
 
 def _child_main(work: str) -> int:
     work_dir = Path(work)
-    job = json.loads((work_dir / "job.json").read_text())
+    job = pickle.loads((work_dir / "job.pickle").read_bytes())
     result_file = work_dir / "result.json"
 
     if job["setup"] is not None:

@@ -191,8 +191,10 @@ class Sampler:
             self._subscribers[token] = (callback, interval)
             self._changed.set()
             if not self.running:
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name="tfmem-sampler", daemon=True)
+                # Each thread its own stop event: an old thread still winding down is never revived.
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="tfmem-sampler",
+                                                daemon=True)
                 self._thread.start()
         return token
 
@@ -209,18 +211,25 @@ class Sampler:
         with self._lock:
             self._subscribers.pop(token, None)
             self._changed.set()
-            last = not self._subscribers
-            thread = self._thread
-        if last and thread is not None:
-            self.stop()
+            if self._subscribers:
+                return
+            # The last one: decided and stopped under the lock, so a subscriber that comes in
+            # between starts a thread of its own.
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        self._join(thread)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait for it (every subscriber is dropped)."""
         with self._lock:
             self._subscribers.clear()
             thread, self._thread = self._thread, None
-        self._stop.set()
-        self._changed.set()
+            self._stop.set()
+            self._changed.set()
+        self._join(thread, timeout)
+
+    @staticmethod
+    def _join(thread: threading.Thread | None, timeout: float = 5.0) -> None:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -228,20 +237,20 @@ class Sampler:
         with self._lock:
             return min((i for _, i in self._subscribers.values()), default=DEFAULT_INTERVAL)
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         while True:
             # Wait the shortest interval, but wake when subscribers change (a 0.1 s gauge made
             # after a 600 s one must not wait 600 s for its first background reading).
             self._changed.clear()
             deadline = time.monotonic() + self._interval()
-            while not self._stop.is_set():
+            while not stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 if self._changed.wait(left):
                     self._changed.clear()
                     deadline = min(deadline, time.monotonic() + self._interval())
-            if self._stop.is_set():
+            if stop.is_set():
                 return
             try:
                 sample = read_sample(background=True)
@@ -251,7 +260,7 @@ class Sampler:
             with self._lock:
                 callbacks = [cb for cb, _ in self._subscribers.values()]
             for callback in callbacks:
-                if self._stop.is_set():
+                if stop.is_set():
                     return
                 try:
                     callback(sample)

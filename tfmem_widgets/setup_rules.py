@@ -503,7 +503,14 @@ def _check_sizes(request: SetupRequest, state: DeviceState, targets: _Targets, n
                 f"GPU {index}'s limit not checked against its size: {state.nvml_note or 'no NVML reading'}"
             )
 
-    if request.lab_mb is not None and request.lab_mb * MiB > state.host_total_bytes:
+    kept = lab_setting(state.env)
+    if (request.lab_mb is not None and kept.enabled and kept.limit_mb == request.lab_mb
+            and request.lab_mb * MiB > state.host_total_bytes):
+        # The user's own exported setting, kept by a bare setup: said, not refused (they did not ask).
+        notes.append(f"lab mode's limit of {request.lab_mb} MB, as exported, is more than this machine's "
+                     f"{format_bytes(state.host_total_bytes)} of memory: an OOM in lab mode would come from "
+                     "the machine, not the limit; --lab N sets a smaller one")
+    elif request.lab_mb is not None and request.lab_mb * MiB > state.host_total_bytes:
         raise SetupError(
             f"lab mode's limit of {request.lab_mb} MB is more than this machine's "
             f"{format_bytes(state.host_total_bytes)} of memory; choose a smaller --lab."
@@ -531,7 +538,7 @@ def _steps(request: SetupRequest, state: DeviceState, visible: list[int], target
         env_change(LAB_USE_BFC_ENV, "true", "lab mode: the CPU allocator becomes TensorFlow's BFC allocator")
         env_change(LAB_LIMIT_ENV, str(request.lab_mb), "and its limit in MB")
     elif request.lab_mb is None and not state.runtime_started:
-        notes.extend(lab_now.problems)  # an exported lab setting TensorFlow reads otherwise
+        notes.extend(p for p in lab_now.problems if p not in notes)  # an exported setting read otherwise
     if request.allocator is not None:
         env_change(GPU_ALLOCATOR_ENV, request.allocator, "GPU allocator, read when the GPUs are created")
     if request.force_growth is not None:

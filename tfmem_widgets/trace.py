@@ -128,7 +128,9 @@ class Trace:
         """The allocator rebuilt after event `index` (-1: the last)."""
         name = self._name(allocator)
         events = self._events[name]
-        return self._replay(name, index % len(events) if len(events) else -1)
+        if not -len(events) <= index < len(events):
+            raise SetupError(f"index={index} is outside this trace: {name} has events 0 to {len(events) - 1}.")
+        return self._replay(name, index % len(events))
 
     def _dump_of(self, name: str) -> AllocatorMap | None:
         if name in self.dumps:
@@ -225,7 +227,7 @@ class Trace:
         event. It is the last event whose in-use figure equals the dump's."""
         name = self._name(allocator)
         events = self._events[name]
-        dump = self.dumps.get(name) or self.text_dump
+        dump = self._dump_of(name)
         if dump is None:
             return len(events) - 1
         in_use = sum(c.size for c in dump.chunks if c.in_use)
@@ -489,11 +491,19 @@ class trace:
         logged = self._stderr.stop()
         self._restore_env()
         files = sorted(glob.glob(os.path.join(glob.escape(self._logdir), "plugins", "profile", "*", "*.xplane.pb")))
-        if not files and notes:
+        if not files and notes and exc is None:
             raise TraceDataError(f"no trace was written: {notes[0]}; leave the profiler to %%tfmem trace.")
         events: dict[str, AllocatorEvents] = {}
-        for path in files:
-            events.update(read_xplane_file(path))
+        try:
+            for path in files:
+                events.update(read_xplane_file(path))
+        except TraceDataError as error:
+            if exc is None:
+                raise
+            # The block's own exception (an OOM) is what the user must see: the trace keeps the dumps
+            # and says what it could not read, instead of replacing that exception.
+            events = {}
+            notes.append(f"the profiler's events could not be read: {error}")
         dumps = {}
         for path in sorted(set(glob.glob(glob.escape(self._dump_prefix) + "_*")) - self._dumps_before):
             try:
@@ -546,7 +556,12 @@ class trace:
                             shutil.rmtree(self._logdir, ignore_errors=True)
                         elif self._made_logdir and not (self.result is not None and self.result.done) \
                                 and self._logdir is not None:
-                            shutil.rmtree(self._logdir, ignore_errors=True)  # a refused or failed kept trace
+                            # A refused kept trace leaves nothing; one that wrote files (a failure while
+                            # reading them) leaves them for the user.
+                            try:
+                                os.rmdir(self._logdir)
+                            except OSError:
+                                pass
                         self._made_logdir = False
                     finally:
                         if self._held:

@@ -37,11 +37,18 @@ CUDA_CONTEXT_ALLOWANCE = 1 << 30
 
 
 def _whole(value):
-    """NumPy's integers (np.int64(64)) are whole numbers too: as plain ints; anything else as is."""
+    """NumPy's integers (np.int64(64)) are whole numbers too: as plain ints, also inside a list, an
+    array or a {GPU: MB} mapping; anything else as is (the checks below refuse it in one line)."""
     import numbers
 
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
+    if hasattr(value, "tolist"):  # a NumPy array
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {_whole(k): _whole(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_whole(v) for v in value]
     return value
 
 
@@ -151,23 +158,8 @@ class SetupRequest:
 
     def __post_init__(self):
         # Whole numbers of any integer type as plain ints (frozen: set through object).
-        for name in ("lab_mb", "reserve_mb", "cpus"):
+        for name in ("lab_mb", "reserve_mb", "cpus", "limit_mb", "split", "gpus"):
             object.__setattr__(self, name, _whole(getattr(self, name)))
-        if isinstance(self.limit_mb, Mapping):
-            object.__setattr__(self, "limit_mb", {_whole(k): _whole(v) for k, v in self.limit_mb.items()})
-        else:
-            object.__setattr__(self, "limit_mb", _whole(self.limit_mb))
-        if self.split is not None and not isinstance(self.split, (str, bytes)):
-            if isinstance(self.split, Sequence) or hasattr(self.split, "tolist"):
-                split = self.split.tolist() if hasattr(self.split, "tolist") else self.split
-                object.__setattr__(self, "split", _whole(split) if not isinstance(split, list) else
-                                   [_whole(v) for v in split])
-            else:
-                object.__setattr__(self, "split", _whole(self.split))
-        if self.gpus is not None and not isinstance(self.gpus, (str, bytes)) and hasattr(self.gpus, "__iter__"):
-            gpus = self.gpus.tolist() if hasattr(self.gpus, "tolist") else self.gpus
-            if isinstance(gpus, Sequence):
-                object.__setattr__(self, "gpus", [_whole(v) for v in gpus])
         # Values are checked here, where they live; combinations in plan_setup.
         if self.growth is not None and not isinstance(self.growth, bool):
             raise SetupError(f"growth must be True or False, got {self.growth!r}.")

@@ -10,6 +10,8 @@ only possible before its runtime starts, so nothing here may start it early.
     %%tfmem trace                 # every allocation of a cell, its memory map, the OOM dump
     %%tfmem fresh --lab 64        # the cell in a new process, set up its own way
     %tfmem watch / %tfmem panel   # a live gauge; the setup panel
+
+After %load_ext, an OOM in any cell is explained under its traceback (last_oom()).
 """
 
 from .allocator_map import AllocatorMap, Chunk, Region
@@ -18,6 +20,9 @@ from .device_setup import SetupResult, setup
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
 from .fresh import FreshRun, run_fresh
 from .measure import Measurement, measure
+from .oom_report import OomReport
+from .oom_watch import explain_oom, last_oom, unwatch_oom, watch_oom
+from .recorder import Recorder, record
 from .report import MemoryReport, report
 from .trace import Trace, trace
 from .runtime import watch_runtime_start
@@ -44,6 +49,13 @@ __all__ = [
     "SetupResult",
     "measure",
     "report",
+    "OomReport",
+    "explain_oom",
+    "last_oom",
+    "watch_oom",
+    "Recorder",
+    "record",
+    "unwatch_oom",
     "setup",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -70,21 +82,50 @@ def _after_cell(result=None):
     after_cell()
 
 
+def _before_cell(info=None):
+    """pre_run_cell: the OOM watcher notes the dumps that exist; lab-mode hazards are said
+    before the cell runs."""
+    from .oom_watch import cell_started
+    from .hazards import warn_before_cell
+
+    cell_started()
+    warn_before_cell(getattr(info, "raw_cell", "") or "")
+
+
+def _explain_oom(result=None):
+    """post_run_cell: an OOM the cell raised is explained in its output."""
+    from .oom_watch import cell_finished
+    from .recorder import after_cell
+
+    cell_finished(result)
+    after_cell()  # the recorder's window ends with the cell
+
+
 def load_ipython_extension(ipython):
-    """%load_ext tfmem_widgets: registers %tfmem / %%tfmem; starts nothing."""
+    """%load_ext tfmem_widgets: registers %tfmem / %%tfmem and the OOM watcher (TensorFlow's
+    dump at every OOM, into a folder of the extension's own); starts nothing."""
     from .magics import TfmemMagics
 
     ipython.register_magics(TfmemMagics)
-    if _after_cell not in ipython.events.callbacks["post_run_cell"]:
-        ipython.events.register("post_run_cell", _after_cell)
+    watch_oom()
+    for event, hook in (("post_run_cell", _after_cell), ("pre_run_cell", _before_cell),
+                        ("post_run_cell", _explain_oom)):
+        if hook not in ipython.events.callbacks[event]:
+            ipython.events.register(event, hook)
 
 
 def unload_ipython_extension(ipython):
     """%unload_ext tfmem_widgets: removes what load_ipython_extension added; gauges stop."""
     for kind in ("line", "cell"):
         ipython.magics_manager.magics[kind].pop("tfmem", None)
-    if _after_cell in ipython.events.callbacks["post_run_cell"]:
-        ipython.events.unregister("post_run_cell", _after_cell)
+    for event, hook in (("post_run_cell", _after_cell), ("pre_run_cell", _before_cell),
+                        ("post_run_cell", _explain_oom)):
+        if hook in ipython.events.callbacks[event]:
+            ipython.events.unregister(event, hook)
+    unwatch_oom()
+    from .recorder import stop
+
+    stop()
     from .sampler import unload
 
     unload()  # gauges stop, and with them the sampler's thread

@@ -119,6 +119,13 @@ class AllocatorMap:
             totals[BEFORE_TRACE] += self.before_trace_bytes
         return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
 
+    def by_layer(self, namespace: dict | None = None, live: bool = True):
+        """In-use bytes per Keras layer and phase (anatomy.LayerAnatomy): chunks named by their
+        op, and, for a map of this process (live), Keras variables found by their address."""
+        from .anatomy import anatomy
+
+        return anatomy(self, namespace=namespace, live=live)
+
     def bands(self) -> tuple[list[Region], bool]:
         """(rows to draw, exact): the regions, or stretches of the chunks' addresses when the
         map does not know its regions (a trace that began after earlier work)."""

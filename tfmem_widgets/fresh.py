@@ -63,8 +63,15 @@ def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] 
     child = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
     from .trace import DUMP_ENV, owned_dump_prefix
 
-    if owned_dump_prefix() is not None and child.get(DUMP_ENV) == owned_dump_prefix():
-        del child[DUMP_ENV]  # a running trace's dump place is the trace's, not the child's
+    from .oom_watch import owned_prefix
+
+    if child.get(DUMP_ENV) is not None and child.get(DUMP_ENV) in (owned_dump_prefix(), owned_prefix()):
+        del child[DUMP_ENV]  # the trace's or the OOM watcher's dump place is this process's, not the child's
+    from . import device_setup
+    from .runtime import ONEDNN_ENV
+
+    if device_setup.onednn_switched_off and child.get(ONEDNN_ENV) == "0":
+        del child[ONEDNN_ENV]  # this kernel's lab setup chose it; the child's setup chooses its own
     extra = {str(k): str(v) for k, v in (env or {}).items()}
     added = [str(folder) for folder in path] + extra.pop("PYTHONPATH", "").split(os.pathsep)
     child.update(extra)

@@ -1,0 +1,216 @@
+"""Every OOM explained in the cell that raised it, without a trace (issue: any OOM, any cell).
+
+Each scenario runs in its own lab-mode process through a real IPython shell with the
+extension loaded, as a notebook's kernel would run the cells; the processes run side by side
+(an OOM waits 10 s in TensorFlow's retry).
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import finish_fresh, start_fresh
+
+SHELL = """
+import json, os, glob, contextlib, io
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+shown = io.StringIO()
+def cell(source):
+    with contextlib.redirect_stdout(shown):
+        return ip.run_cell(source)
+"""
+
+# Three allocation patterns that end in an OOM in a plain cell, no trace.
+PATTERNS = {
+    # every other 2 MiB tensor freed, then 16 MiB: the FACTS.md fragmentation case
+    "alternate": ("ts = [tf.fill((512 * 1024,), float(i)) for i in range(24)]\ndel ts[::2]",
+                  "big = tf.zeros((4 << 20,))"),
+    # growing tensors kept, then more than the rest of the limit
+    "growing": ("ts = [tf.zeros((k * 256 * 1024,)) for k in range(1, 7)]",
+                "big = tf.zeros((12 << 20,))"),
+    # small and large interleaved, the large ones freed
+    "mixed": ("ts = [tf.zeros(((1 if i % 3 else 5) * 256 * 1024,)) for i in range(15)]\n"
+              "ts = [t for t in ts if t.shape[0] < 1024 * 1024]",
+              "big = tf.zeros((9 << 20,))"),
+}
+
+PLAIN = SHELL + """
+user_dumps = os.path.join(os.environ["WORK"], "mine")
+if os.environ.get("USER_DUMP"):
+    os.environ["TF_BFC_MEMORY_DUMP"] = user_dumps
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 64")
+watch_folder = os.environ.get("TF_BFC_MEMORY_DUMP")
+cell("import tensorflow as tf\\n" + PREPARE)
+result = cell(REQUEST)
+import tfmem_widgets
+from tensorflow.core.protobuf import bfc_memory_map_pb2
+r = tfmem_widgets.last_oom()
+out = {"raised": type(result.error_in_exec).__name__, "shown": shown.getvalue()}
+dump = bfc_memory_map_pb2.MemoryDump()
+dump.ParseFromString(open(r.dump_path, "rb").read())
+out["theirs"] = sorted([c.address, c.size, c.in_use] for c in dump.chunk)
+out["ours"] = sorted([c.address, c.size, c.in_use] for c in r.map.chunks)
+out.update(request=r.request_bytes, largest=r.largest_free_bytes, verdict=r.verdict,
+           in_use=r.in_use_bytes, limit=r.limit_bytes, stats_in_use=dump.stats.bytes_in_use,
+           largest_free_theirs=max(c.size for c in dump.chunk if not c.in_use),
+           dump_path=r.dump_path, watch_folder=watch_folder,
+           user_files=sorted(glob.glob(user_dumps + "_*")))
+cell("%unload_ext tfmem_widgets")
+out["after_unload"] = os.environ.get("TF_BFC_MEMORY_DUMP")
+out["own_folder_left"] = os.path.exists(os.path.dirname(watch_folder)) if watch_folder else None
+print(json.dumps(out))
+"""
+
+
+def _plain(name, tmp_path, user_dump=False):
+    prepare, request = PATTERNS[name]
+    code = PLAIN.replace("PREPARE", repr(prepare)).replace("REQUEST", repr(request))
+    env = {"WORK": str(tmp_path)}
+    if user_dump:
+        env["USER_DUMP"] = "1"
+    return start_fresh(code, env)
+
+
+@pytest.fixture(scope="module")
+def plain_cells(tmp_path_factory):
+    procs = {name: _plain(name, tmp_path_factory.mktemp(name)) for name in PATTERNS}
+    user = tmp_path_factory.mktemp("user")
+    procs["user"] = _plain("alternate", user, user_dump=True)
+    return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_an_oom_in_a_plain_cell_is_explained_with_tensorflows_own_dump(plain_cells, name):
+    out = plain_cells[name]
+    assert out["raised"] == "ResourceExhaustedError"          # the traceback stays: the cell still failed
+    assert out["ours"] == out["theirs"]                       # the report's map is TensorFlow's dump, chunk for chunk
+    assert out["in_use"] == out["stats_in_use"]
+    assert out["largest"] == out["largest_free_theirs"] < out["request"]
+    assert out["limit"] == 64 << 20
+    shown = out["shown"]
+    assert "OOM in bfc_cpu_allocator_for_gpu" in shown and "verdict:" in shown   # in the cell's own output
+    assert f"largest hole {out['largest'] / (1 << 20):.2f} MiB" in shown
+    assert f"needs {out['request'] / (1 << 20):.2f} MiB" in shown
+    # the extension's own folder: dumps there while loaded, gone after unload, variable restored
+    assert out["dump_path"].startswith(os.path.dirname(out["watch_folder"]))
+    assert out["after_unload"] is None and out["own_folder_left"] is False
+
+
+def test_the_verdicts_follow_the_numbers(plain_cells):
+    alternate = plain_cells["alternate"]
+    # 24 MiB in use of 64: 40 MiB free under the limit, the largest hole 12 MiB
+    assert alternate["verdict"] == "fragmentation" and alternate["in_use"] + alternate["request"] <= alternate["limit"]
+    growing = plain_cells["growing"]
+    assert growing["verdict"] == "limit"  # short under a lab limit far below the host's memory
+    assert growing["in_use"] + growing["request"] > growing["limit"]
+    assert "the limit, not the hardware" in growing["shown"] and "raise the limit to at least" in growing["shown"]
+
+
+def test_a_users_own_dump_place_is_theirs(plain_cells):
+    out = plain_cells["user"]
+    assert out["ours"] == out["theirs"]
+    assert out["user_files"] and out["dump_path"] in out["user_files"]   # read where TensorFlow wrote them
+    assert all(os.path.exists(p) for p in out["user_files"])            # never moved or deleted
+    assert out["after_unload"].endswith("mine")                           # their variable left as it was
+
+
+KERAS = SHELL + """
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 160")
+assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
+cell('''
+import tensorflow as tf, keras, numpy as np
+model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(2048, activation="relu", name="wide"),
+                          keras.layers.Dense(4096, name="wider"), keras.layers.Dense(1, name="out")])
+model.compile("adam", "mse", jit_compile=False)
+x = np.random.rand(8192, 256).astype("float32"); y = np.random.rand(8192, 1).astype("float32")
+''')
+if os.environ.get("RECORD"):
+    cell("%tfmem record")
+result = cell("model.fit(x, y, batch_size=4096, epochs=1, verbose=0)")
+import tfmem_widgets
+r = tfmem_widgets.last_oom()
+layers = r.by_layer()
+print(json.dumps({"raised": type(result.error_in_exec).__name__, "keys": list(layers),
+                  "phases": {k: layers.phases(k) for k in layers}, "total": layers.total_bytes,
+                  "in_use": r.in_use_bytes, "verdict": r.verdict, "shown": shown.getvalue()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def keras_ooms():
+    procs = {"plain": start_fresh(KERAS), "recorded": start_fresh(KERAS, {"RECORD": "1"})}
+    return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
+
+
+def test_a_keras_fit_oom_names_its_largest_layer_first(keras_ooms):
+    out = keras_ooms["plain"]
+    assert out["raised"] == "ResourceExhaustedError"
+    assert out["keys"][0] == "sequential/wider"          # 2048 x 4096 kernel and its Adam slots
+    wider = out["phases"]["sequential/wider"]
+    kernel = 2048 * 4096 * 4
+    assert wider["parameters"] >= kernel and wider["optimizer state"] >= kernel
+    assert sum(sum(p.values()) for p in out["phases"].values()) == out["total"] == out["in_use"]
+    assert "(activations and temporaries)" in out["keys"]  # no trace: the rest, said plainly
+    assert "in use by layer" in out["shown"]
+
+
+def test_the_recorder_names_the_failed_steps_activations(keras_ooms):
+    out = keras_ooms["recorded"]
+    assert out["keys"][0] == "sequential/wider"
+    assert out["phases"]["sequential/wide"].get("forward activations", 0) >= 4096 * 2048 * 4  # the Relu output
+    assert "(input pipeline)" in out["keys"]
+    assert "(activations and temporaries)" not in out["keys"]
+    assert sum(sum(p.values()) for p in out["phases"].values()) == out["in_use"]
+
+
+def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):
+    import tfmem_widgets
+    from tfmem_widgets.errors import SetupError
+
+    log = (
+        "W bfc_allocator.cc:502] Allocator (GPU_0_bfc) ran out of memory trying to allocate 16.00MiB "
+        "(rounded to 16777216)requested by op Fill\n"
+        "I bfc_allocator.cc:1085] Next region of size 4194304\n"
+        "I bfc_allocator.cc:1105] InUse at 7f0000000000 of size 2097152 next 1\n"
+        "I bfc_allocator.cc:1105] Free  at 7f0000200000 of size 2097152 next 2\n"
+        "I bfc_allocator.cc:1119] Total size in pool: 4.00MiB memory_limit_: 8.00MiB available size: 4.00MiB "
+        "curr_region_allocation_bytes_: 8.00MiB\n"
+        "OOM when allocating tensor with shape[4194304] and type float on /job:localhost/replica:0/task:0/"
+        "device:GPU:0 by allocator GPU_0_bfc\n"
+    )
+    report = tfmem_widgets.explain_oom(log)
+    assert report.allocator == "GPU_0_bfc" and report.request_bytes == 16 << 20
+    assert report.largest_free_bytes == 2 << 20 and report.limit_bytes == 8 << 20
+    assert report.verdict == "shortage"  # 2 MiB in use of 8: 6 MiB free, 16 asked
+    path = tmp_path / "job.log"
+    path.write_text(log)
+    assert tfmem_widgets.explain_oom(path).map.chunks == report.map.chunks
+    for bad in ("", str(tmp_path / "missing"), 42, ValueError("not memory")):
+        with pytest.raises(SetupError) as caught:
+            tfmem_widgets.explain_oom(bad)
+        assert "\n" not in str(caught.value) and "explain_oom" in str(caught.value)
+
+
+HAZARDS = SHELL + """
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"   # as a user who imported TensorFlow before the setup
+cell("import tensorflow as tf")
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 64")
+import sys, io
+err = io.StringIO()
+sys.stderr, real = err, sys.stderr
+cell("f = tf.function(lambda a: a, jit_compile=True)")
+cell("g = tf.function(lambda a: a, jit_compile=True)")
+sys.stderr = real
+print(json.dumps({"err": err.getvalue()}))
+"""
+
+
+def test_lab_mode_hazards_are_said_before_the_cell_runs_once_each():
+    out = finish_fresh(start_fresh(HAZARDS))["err"]
+    assert out.count("aborts the whole process") == 1 and "%%tfmem fresh" in out
+    assert out.count("segmentation fault") == 1

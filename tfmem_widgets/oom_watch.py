@@ -1,0 +1,187 @@
+"""Every OOM explained where it happens.
+
+``watch_oom()`` (run by ``%load_ext tfmem_widgets``) makes TensorFlow write its binary
+MemoryDump at every OOM: TF_BFC_MEMORY_DUMP is pointed into a folder this package owns,
+removed at exit (TensorFlow reads the variable when it writes a dump, so this works after
+its runtime started). A TF_BFC_MEMORY_DUMP the user set is theirs: their files land where
+they asked and are read, never moved or deleted.
+
+After a cell that raised an OOM, the cell's output gets the explanation under the
+traceback; ``last_oom()`` returns it, ``explain_oom()`` explains an error, a dump file or a
+pasted log anywhere (a script, a job's log).
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from .errors import SetupError
+from .oom_report import (OomReport, explain_path, explain_text, failed_request, is_oom,
+                         report_from_dump)
+
+DUMP_ENV = "TF_BFC_MEMORY_DUMP"
+
+_lock = threading.RLock()
+_folder: str | None = None  # the folder this package made (None: not watching, or the user's own)
+_prefix: str | None = None  # the prefix this package set
+_cell_dumps: set[str] = set()  # the dump files that existed when the cell began
+_last: OomReport | None = None
+_atexit_registered = False
+
+
+def watch_oom() -> str:
+    """Make TensorFlow write its allocator dump at every OOM; returns where. Idempotent."""
+    global _folder, _prefix, _atexit_registered
+    with _lock:
+        user = os.environ.get(DUMP_ENV)
+        if user and user != _prefix:
+            return user  # the user's own place: used as it is
+        if _prefix is None:
+            _folder = tempfile.mkdtemp(prefix="tfmem-oom-")
+            _prefix = os.path.join(_folder, "dump")
+            if not _atexit_registered:
+                atexit.register(unwatch_oom)
+                _atexit_registered = True
+        os.environ[DUMP_ENV] = _prefix
+        return _prefix
+
+
+def unwatch_oom() -> None:
+    """Undo watch_oom: the variable as it was, the package's folder removed (never a user's)."""
+    global _folder, _prefix
+    with _lock:
+        if _prefix is not None and os.environ.get(DUMP_ENV) == _prefix:
+            os.environ.pop(DUMP_ENV, None)
+        if _folder is not None:
+            shutil.rmtree(_folder, ignore_errors=True)
+        _folder = _prefix = None
+
+
+def owned_prefix() -> str | None:
+    """TF_BFC_MEMORY_DUMP as this package set it (a fresh process must not write there)."""
+    return _prefix
+
+
+def watched_prefix() -> str | None:
+    """Where dumps land now: the package's prefix or the user's own; None when unset."""
+    return os.environ.get(DUMP_ENV) or None
+
+
+def _dump_files(prefix: str | None, allocator: str | None = None) -> list[str]:
+    if not prefix:
+        return []
+    pattern = glob.escape(prefix) + (f"_{glob.escape(allocator)}.*" if allocator else "_*")
+    # TensorFlow names each file <prefix>_<allocator>.<microseconds>: the last is the newest.
+    return sorted(glob.glob(pattern), key=lambda p: (len(p.rsplit(".", 1)[-1]), p.rsplit(".", 1)[-1], p))
+
+
+def cell_started() -> None:
+    """pre_run_cell: note the dumps that exist, so an OOM reads only the ones its cell wrote."""
+    global _cell_dumps
+    _cell_dumps = set(_dump_files(watched_prefix()))
+
+
+def _tidy_own_folder(keep: str | None) -> None:
+    """The package's folder keeps only the dump the last report points to."""
+    if _folder is None:
+        return
+    for path in _dump_files(_prefix):
+        if path != keep:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def explain_exception(exc: BaseException, new_since: set[str] | None = None,
+                      namespace: dict | None = None) -> OomReport:
+    """The report for an OOM raised in this process: the newest dump of the allocator it names
+    (among files not in new_since), read with this process's limits and Keras variables."""
+    from .bfc_dump import load_memory_dump
+    from .errors import TraceDataError
+
+    text = str(exc)
+    allocator, request, line, xla = failed_request(text)
+    prefix = watched_prefix()
+    candidates = [p for p in _dump_files(prefix, allocator) if new_since is None or p not in new_since]
+    notes = []
+    if xla and allocator is None:
+        notes.append("XLA's message names no allocator: the newest dump written by this cell is used")
+    if not candidates:
+        why = ("TF_BFC_MEMORY_DUMP was not set when it failed: %load_ext tfmem_widgets (or "
+               "tfmem_widgets.watch_oom()) before the run makes TensorFlow write one"
+               if not prefix else "TensorFlow wrote no allocator dump for it (an allocator other than BFC, "
+               "or the failure was not the allocator's)")
+        return OomReport(allocator or "unknown", line, request, None, xla=xla, notes=(why, *notes))
+    path = candidates[-1]
+    try:
+        dump = load_memory_dump(path)
+    except TraceDataError as error:
+        return OomReport(allocator or "unknown", line, request, None, xla=xla,
+                         notes=(f"TensorFlow's dump could not be read: {error}", *notes))
+    if prefix == _prefix:
+        _tidy_own_folder(keep=path)
+    return report_from_dump(dump, line, request, xla=xla, dump_path=path, live=True, namespace=namespace,
+                            notes=notes)
+
+
+def cell_finished(result=None) -> OomReport | None:
+    """post_run_cell: an OOM the cell raised is explained under its traceback."""
+    global _last
+    exc = getattr(result, "error_in_exec", None)
+    if not is_oom(exc) or getattr(exc, "_tfmem_explained", False):
+        return None
+    report = explain_exception(exc, _cell_dumps)
+    with _lock:
+        _last = report
+    try:
+        exc._tfmem_explained = True
+    except AttributeError:
+        pass
+    from IPython.display import display
+
+    display(report)
+    return report
+
+
+def remember(report: OomReport) -> None:
+    global _last
+    with _lock:
+        _last = report
+
+
+def last_oom() -> OomReport | None:
+    """The report of the most recent OOM explained in this process (None: none yet)."""
+    return _last
+
+
+def explain_oom(source) -> OomReport:
+    """Explain an OOM: a ResourceExhaustedError caught in a script, the path of TensorFlow's
+    binary dump or of a log file, or a log's text pasted from a job."""
+    if isinstance(source, BaseException):
+        if not is_oom(source):
+            raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
+                             "ResourceExhaustedError, a dump file's path or a log's text.")
+        report = explain_exception(source)
+        remember(report)
+        return report
+    if isinstance(source, bytes):
+        source = source.decode("utf-8", errors="replace")
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(source, str) and ("\n" in text or "OOM when allocating" in text or "Out of memory" in text
+                                        or "Next region of size" in text):
+            return explain_text(text)
+        if not text.strip():
+            raise SetupError("explain_oom: got an empty text; pass an error, a dump file's path or a log's text.")
+        if not Path(text).exists():
+            raise SetupError(f"explain_oom: no file {text!r}, and it is not a log's text; pass an error, a dump "
+                             "file's path or a log's text.")
+        return explain_path(text)
+    raise SetupError(f"explain_oom: got {type(source).__name__}; pass an error, a dump file's path or a log's text.")

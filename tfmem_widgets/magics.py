@@ -57,6 +57,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
+def _window(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 1 <= value <= 3600):
+        raise argparse.ArgumentTypeError(f"expected seconds between 1 and 3600, got {text!r}")
+    return value
+
+
 def _fresh_timeout(text: str) -> float | None:
     """Seconds, or 'none' for no limit (a long training cell)."""
     if text.strip().lower() == "none":
@@ -120,13 +130,19 @@ def _names(text: str) -> list[str]:
 
 def _parsers():
     line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
-    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel}")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel,record,oom}")
     commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
     watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
     watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
     watch.add_argument("--interval", type=_seconds, action=_Once, default=0.5, metavar="S", help="seconds between readings")
     watch.add_argument("-d", "--device", action=_Once, default=None, help="only this device (e.g. GPU:0)")
     commands.add_parser("panel", help="the device setup panel")
+    rec = commands.add_parser("record", help="record allocator events (host tracer only) so the next OOM names "
+                                             "every chunk's op and layer (record stop: stop)")
+    rec.add_argument("action", nargs="?", choices=["stop"], help="stop recording")
+    rec.add_argument("--window", type=_window, action=_Once, default=60.0, metavar="S",
+                     help="seconds per profiler window (1-3600; default 60)")
+    commands.add_parser("oom", help="the last OOM's report again")
     s = commands.add_parser(
         "setup",
         help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
@@ -205,6 +221,21 @@ class TfmemMagics(Magics):
                 from .widgets import SetupPanel
 
                 return SetupPanel()
+            if args.command == "record":
+                from . import recorder
+
+                if args.action == "stop":
+                    stopped = recorder.stop()
+                    print("the recorder was not running" if stopped is None else repr(stopped))
+                    return None
+                return recorder.record(args.window)
+            if args.command == "oom":
+                from .oom_watch import last_oom
+
+                found = last_oom()
+                if found is None:
+                    print("no OOM explained in this process yet")
+                return found
             return setup(**{name: getattr(args, name) for name in _SETUP_OPTIONS})
         except SetupError as exc:
             raise UsageError(str(exc)) from None
@@ -306,6 +337,9 @@ def _help() -> str:
         "%tfmem watch [--interval S] [-d DEV] | %tfmem watch stop\n"
         "                        a live gauge that moves while cells run\n"
         "%tfmem panel            the device setup panel\n"
+        "%tfmem record [--window S] | %tfmem record stop\n"
+        "                        record allocator events so the next OOM names each chunk's op and layer\n"
+        "%tfmem oom              the last OOM's report (every OOM is explained in its cell)\n"
         "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"

@@ -13,7 +13,6 @@ import glob
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,10 +37,10 @@ from .units import format_bytes
 from .capture import StderrCapture
 from .events import AllocatorEvents
 from .oom import OomInfo, oom_info
+from .profiler import TRACE_LOCK as _active, profiler_options, running_recorder
 from .xplane import read_xplane_file
 
-DUMP_ENV = "TF_BFC_MEMORY_DUMP"
-_active = threading.Lock()
+from .oom_watch import DUMP_ENV
 
 
 def _allocator_growth() -> dict[str, bool]:
@@ -84,6 +83,7 @@ class Trace:
         self.log = log  # what TensorFlow wrote to file descriptor 2 during the block
         self.notes = tuple(notes)  # what the trace had to leave out, and why
         self._replays: dict[str, Replay] = {}
+        self.loaded = False
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -268,6 +268,11 @@ class Trace:
         """What the allocator held at its peak, per op."""
         return self.map("peak", allocator).by_op()
 
+    def by_layer(self, at: int | str | None = "peak", allocator: str | None = None, namespace: dict | None = None):
+        """In-use bytes per Keras layer and phase at a moment (the peak by default): each chunk
+        named by its op, memory from before the trace as its own key."""
+        return self.map(at, allocator).by_layer(namespace=namespace, live=not self.loaded)
+
     def fragmentation_series(self, allocator: str | None = None) -> np.ndarray:
         """The rebuilt fragmentation after every event (a trace from the first allocation)."""
         name = self._name(allocator)
@@ -338,7 +343,9 @@ class Trace:
         """A trace saved with to_json; a damaged, cut or edited file is refused in one line."""
         from .trace_file import load
 
-        return load(path, cls)
+        loaded = load(path, cls)
+        loaded.loaded = True  # from a file: this process's variables say nothing of its chunks
+        return loaded
 
     def to_csv(self, path: str | Path) -> None:
         """One row per event: allocator, time, alloc/free, address, bytes, op, TensorFlow's figures."""
@@ -397,6 +404,7 @@ class trace:
         self._previous_dump_env: str | None = None
         self._stderr: StderrCapture | None = None
         self._profiling = False
+        self._paused_recorder = None
 
     @property
     def running(self) -> bool:
@@ -445,9 +453,12 @@ class trace:
             _owned_dump_prefix = self._dump_prefix
         self._stderr = StderrCapture()
         self._stderr.start()
+        self._paused_recorder = running_recorder()
+        if self._paused_recorder is not None:
+            self._paused_recorder.pause()  # one profiler per process: the trace's, until it ends
         self._profiling = True
         try:
-            tensorflow().profiler.experimental.start(self._logdir)
+            tensorflow().profiler.experimental.start(self._logdir, options=profiler_options())
         except Exception as exc:
             self._profiling = False  # not ours to stop: another profiler may be running
             raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: "
@@ -564,9 +575,14 @@ class trace:
                                 pass
                         self._made_logdir = False
                     finally:
-                        if self._held:
-                            self._held = False
-                            _active.release()
+                        try:
+                            if self._paused_recorder is not None:
+                                recorder, self._paused_recorder = self._paused_recorder, None
+                                recorder.resume()
+                        finally:
+                            if self._held:
+                                self._held = False
+                                _active.release()
 
     def __repr__(self) -> str:
         return repr(self.result) if self.result is not None else "<tfmem trace: running>"

@@ -1,0 +1,102 @@
+"""What recording allocator events costs a Keras fit: the recorder and a trace against nothing.
+
+    python3 dev.py bench          # or: .venv/bin/python benchmarks/profiler_overhead.py [--gpu]
+
+One process trains a small Keras model (lab mode on a CPU; the first GPU with --gpu), one
+epoch per run, four ways: bare, under ``tfmem_widgets.record()`` (host tracer only, one
+window per run), under ``tfmem_widgets.trace()`` (host tracer only, the events read at its
+end), and under TensorFlow's profiler with its default options (device tracer on: what
+``%%tfmem trace`` ran before), for scale. Runs rotate in rounds so a drift of the machine
+hits every way alike; each figure is the median over rounds of (time with / time bare).
+The time of a trace includes reading its events when the block ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from _workloads import keras_classifier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODE = """
+import json, statistics, tempfile, time, shutil
+from tfmem_widgets import recorder
+model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
+
+def fit():
+    model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+
+def bare():
+    start = time.perf_counter(); fit(); return time.perf_counter() - start
+
+def recorded():
+    start = time.perf_counter()
+    r = recorder.record(window=3600)
+    fit()
+    r.stop()
+    return time.perf_counter() - start
+
+def traced():
+    start = time.perf_counter()
+    with tfmem_widgets.trace() as t:
+        fit()
+    seconds = time.perf_counter() - start
+    assert sum(len(t.events(a)) for a in t.allocators) > 1000
+    return seconds
+
+def default_profiler():
+    folder = tempfile.mkdtemp()
+    start = time.perf_counter()
+    tf.profiler.experimental.start(folder)
+    fit()
+    tf.profiler.experimental.stop()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(folder)
+    return seconds
+
+ways = {"record": recorded, "trace": traced, "default profiler": default_profiler}
+ratios = {name: [] for name in ways}
+bares = []
+for round_ in range(ROUNDS):
+    names = list(ways)[round_ % 3:] + list(ways)[:round_ % 3]
+    base = bare()
+    bares.append(base)
+    for name in names:
+        ratios[name].append(ways[name]() / base)
+    bares.append(bare())
+print(json.dumps({"bare_s": statistics.median(bares),
+                  "ratios": {k: statistics.median(v) for k, v in ratios.items()},
+                  "all": ratios, "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU (lab mode)"}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gpu", action="store_true", help="train on the GPU (no lab mode)")
+    args = parser.parse_args()
+    setup = keras_classifier(lab_mb=1024, width=256, rows=65536)
+    if args.gpu:
+        setup = setup.replace("tfmem_widgets.setup(lab_mb=1024)", "tfmem_widgets.setup(growth=True)")
+    code = setup + textwrap.dedent(CODE).replace("ROUNDS", str(args.rounds))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"Keras fit, one epoch, {out['device']}: bare {out['bare_s']:.2f} s (median of {2 * args.rounds})")
+    for name, ratio in out["ratios"].items():
+        print(f"  {name:<17} x{ratio:.2f}  (median of {args.rounds} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""A recorder for the next OOM: the profiler on, with only what allocator events need, so an
+OOM's dump can name every chunk's op, layer and phase.
+
+TensorFlow's allocator events are host events (TraceMe at level 2, recorded on the /host:CPU
+plane even for a GPU's allocator), so the profiler runs with the host tracer alone: no device
+tracer (CUPTI on a GPU), no Python tracer. The profiler keeps its events in memory until it
+stops, so the recorder works in windows: every `window` seconds (and at each cell's end in
+IPython) it stops, folds the window's allocations into a table of the chunks still in use
+(address -> op and size), and starts again. At an OOM the report reads that table.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+
+from .errors import SetupError
+from .profiler import TRACE_LOCK, profiler_options, running_recorder, set_recorder
+
+_HISTORY = 4  # events kept per address
+_SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50 ms
+
+class Recorder:
+    """``tfmem_widgets.record()`` starts one; ``stop()`` ends it. One per process."""
+
+    def __init__(self, window: float = 60.0):
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
+            raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
+        self.window = float(window)
+        self.live: dict[str, dict[int, deque]] = {}  # allocator -> address -> its last events
+        self.windows = 0
+        self.events = 0
+        self.notes: list[str] = []
+        self._lock = threading.RLock()
+        self._logdir: str | None = None
+        self._profiling = False
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._paused = False
+
+    # -- the profiler's windows ------------------------------------------------------------
+    def _start_window(self) -> None:
+        import tensorflow as tf
+
+        self._logdir = tempfile.mkdtemp(prefix="tfmem-record-")
+        self._window_start_ns = time.time_ns()  # the profiler's times count from its start
+        try:
+            tf.profiler.experimental.start(self._logdir, options=profiler_options())
+        except Exception as exc:
+            shutil.rmtree(self._logdir, ignore_errors=True)
+            self._logdir = None
+            raise SetupError(f"the recorder could not start TensorFlow's profiler ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); is another profiler or trace running?"
+                             ) from None
+        self._profiling = True
+
+    def _end_window(self) -> None:
+        """Stop the profiler and fold what it recorded into the live table."""
+        import glob
+        import os
+
+        import tensorflow as tf
+
+        from .xplane import read_xplane_file
+
+        if not self._profiling:
+            return
+        self._profiling = False
+        try:
+            tf.profiler.experimental.stop()
+        except Exception as exc:
+            self.notes.append(f"a window was lost: the profiler was stopped elsewhere ({type(exc).__name__})")
+        logdir, self._logdir = self._logdir, None
+        try:
+            for path in glob.glob(os.path.join(glob.escape(logdir), "plugins", "profile", "*", "*.xplane.pb")):
+                for name, events in read_xplane_file(path).items():
+                    self._fold(name, events)
+        except Exception as exc:  # a window that cannot be read costs its names, never the user's cell
+            self.notes.append(f"a window could not be read ({type(exc).__name__}: {exc})")
+        finally:
+            shutil.rmtree(logdir, ignore_errors=True)
+        self.windows += 1
+
+    def _fold(self, name: str, events) -> None:
+        """Keep, per address, its last few allocations and frees (time, kind, size, op): an OOM's
+        dump is of the moment it failed, and the failed step frees its tensors right after."""
+        table = self.live.setdefault(name, {})
+        texts = events.texts
+        start = self._window_start_ns
+        for t, kind, address, size, op in zip(events.time_ns.tolist(), events.kind.tolist(),
+                                              events.address.tolist(), events.size.tolist(), events.op.tolist()):
+            history = table.get(address)
+            if history is None:
+                history = table[address] = deque(maxlen=_HISTORY)
+            history.append((start + t, kind, size, texts[op] if kind > 0 else ""))
+        self.events += len(events)
+
+    def pause(self) -> None:
+        """A trace takes the profiler: the window ends until resume()."""
+        with self._lock:
+            self._end_window()
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._paused and not self._stop_event.is_set():
+                self._paused = False
+                self._start_window()
+
+    def roll(self) -> None:
+        """End the current window and start the next (the cell's end, the timer, an OOM)."""
+        with self._lock:
+            if not self._profiling or self._paused:
+                return
+            self._end_window()
+            if not self._stop_event.is_set():
+                self._start_window()
+
+    def _run(self) -> None:
+        while not self._stop_event.wait(self.window):
+            try:
+                self.roll()
+            except Exception as exc:
+                self.notes.append(f"the recorder stopped: {exc}")
+                return
+
+    # -- life ------------------------------------------------------------------------------
+    def start(self) -> "Recorder":
+        if TRACE_LOCK.locked():
+            raise SetupError("a trace is running: the recorder starts after it (one profiler per process).")
+        with self._lock:
+            self._start_window()
+        self._thread = threading.Thread(target=self._run, name="tfmem-recorder", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            self._end_window()
+
+    @property
+    def running(self) -> bool:
+        return not self._stop_event.is_set() and (self._profiling or self._paused)
+
+    def op_of(self, allocator: str, address: int, size: int, at_ns: int | None = None) -> str | None:
+        """The op that made the chunk of this address and size that was in use at `at_ns` (an
+        OOM's dump: wall-clock nanoseconds) or is now (None), where a window saw it made.
+
+        At a moment, the chunk's maker is the last allocation at its address before it; the
+        frees that follow an OOM at once (the failed step's tensors) do not count. The window's
+        clock is matched to the wall clock within _SLACK_NS."""
+        for t, kind, chunk_size, op in reversed(self.live.get(allocator, {}).get(address, ())):
+            if at_ns is None:
+                return op if kind > 0 and chunk_size == size else None
+            if kind < 0 or t > at_ns + _SLACK_NS:
+                continue
+            return op if chunk_size == size else None
+        return None
+
+    def __repr__(self) -> str:
+        state = "recording" if self.running else "stopped"
+        held = sum(1 for t in self.live.values() for h in t.values() if h and h[-1][1] > 0)
+        return (f"tfmem recorder ({state}): {self.windows} window(s) of up to {self.window:g} s, "
+                f"{self.events} allocator events read, {held} chunk(s) in use with their op")
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))
+
+
+_current_lock = threading.Lock()
+
+
+def record(window: float = 60.0) -> Recorder:
+    """Start recording allocator events (host tracer only) so that the next OOM names each
+    chunk's op, layer and phase. Returns the running Recorder; ``stop()`` ends it."""
+    with _current_lock:
+        running = running_recorder()
+        if running is not None and running.running:
+            return running
+        recorder = Recorder(window)
+        recorder.start()
+        set_recorder(recorder)
+        return recorder
+
+
+def stop() -> Recorder | None:
+    """Stop the recorder (if one runs) and return it."""
+    with _current_lock:
+        recorder = running_recorder()
+        set_recorder(None)
+    if recorder is not None:
+        recorder.stop()
+    return recorder
+
+
+def current() -> Recorder | None:
+    recorder = running_recorder()
+    return recorder if recorder is not None and recorder.running else None
+
+
+def after_cell() -> None:
+    """A window ends with each cell: its events are folded while the kernel is idle."""
+    recorder = current()
+    if recorder is not None:
+        recorder.roll()
+
+
+def name_chunks(amap, at_ns: int | None = None):
+    """The map with each in-use chunk's op filled from the recorder's table (exact address and
+    size, as of `at_ns`), and the recorder's window rolled first so the failing cell's events
+    are in."""
+    from dataclasses import replace
+
+    recorder = current()
+    if recorder is None:
+        return amap, False
+    recorder.roll()
+    chunks = []
+    for c in amap.chunks:
+        op = recorder.op_of(amap.allocator, c.address, c.size, at_ns) if c.in_use and not c.op else None
+        chunks.append(replace(c, op=op) if op else c)
+    return replace(amap, chunks=tuple(chunks)), True

@@ -267,7 +267,7 @@ print(json.dumps({"tensors": int(e.held_bytes(1024, scratch=False).max()),
 def test_leaving_out_kernel_scratch_gives_the_same_figures_whatever_kernels_run():
     # A float16 step through oneDNN's kernels and through Eigen's: their scratch differs, the
     # tensors the program makes do not.
-    onednn = start_fresh(SCRATCH_STEP)
+    onednn = start_fresh(SCRATCH_STEP, env={"TF_ENABLE_ONEDNN_OPTS": "1"})  # lab setup turns it off otherwise
     eigen = finish_fresh(start_fresh(SCRATCH_STEP, env={"TF_ENABLE_ONEDNN_OPTS": "0"}))
     onednn = finish_fresh(onednn)
     # What the step leaves is its two gradients, the bias's included: a reduction hands its temp on

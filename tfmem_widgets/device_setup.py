@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
 from . import nvml
 from .readings import driver_view
 from .setup_rules import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
+from .runtime import ONEDNN_ENV
 from .runtime import logical_cpu_count, physical_gpus, runtime_started, setup_env, setup_env_changed, tensorflow
 
 
@@ -187,6 +189,38 @@ def setup(
         reserve_mb=reserve_mb,
         cpus=cpus,
     )
-    plan = plan_setup(request, current_state())
-    apply_steps(plan.steps)
+    onednn_off = _onednn_off_for_lab(request)
+    try:
+        plan = plan_setup(request, current_state())
+        apply_steps(plan.steps)
+    except BaseException:
+        if onednn_off:
+            os.environ.pop(ONEDNN_ENV, None)
+            _forget_onednn_switch()
+        raise
+    if onednn_off:
+        plan = replace(plan, notes=(*plan.notes, ONEDNN_OFF_NOTE))
     return SetupResult(plan)
+
+
+ONEDNN_OFF_NOTE = ("oneDNN's kernels off (TF_ENABLE_ONEDNN_OPTS=0, set before TensorFlow's import): in lab mode an "
+                   "OOM inside a oneDNN fused kernel crashes the process, Eigen's kernels raise it")
+
+
+def _onednn_off_for_lab(request: SetupRequest) -> bool:
+    """Lab mode asked before TensorFlow is imported, oneDNN not chosen by the user: turn its
+    kernels off while it still can be (TensorFlow reads the switch at import)."""
+    global onednn_switched_off
+    if request.lab_mb is None or "tensorflow" in sys.modules or ONEDNN_ENV in os.environ:
+        return False
+    os.environ[ONEDNN_ENV] = "0"
+    onednn_switched_off = True
+    return True
+
+
+def _forget_onednn_switch() -> None:
+    global onednn_switched_off
+    onednn_switched_off = False
+
+
+onednn_switched_off = False  # this process's setup turned oneDNN off (a fresh process decides its own)

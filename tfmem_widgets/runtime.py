@@ -113,11 +113,34 @@ class _ContextWatcher(importlib.abc.MetaPathFinder):
             return spec
 
         def exec_and_wrap(module):
+            _remember_import_env()
             exec_module(module)
             _wrap_context(module)
 
         loader.exec_module = exec_and_wrap
         return spec
+
+
+ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+_onednn_at_import: str | None = None
+_onednn_known = False
+
+
+def _remember_import_env() -> None:
+    """TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, while it is imported (measured: set after
+    the import it changes nothing): remember the value it saw."""
+    global _onednn_at_import, _onednn_known
+    if not _onednn_known:
+        _onednn_at_import, _onednn_known = os.environ.get(ONEDNN_ENV), True
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow's oneDNN kernels are on in this process (x86 Linux default), as read
+    when TensorFlow was imported (or, before that, as it will read them)."""
+    value = _onednn_at_import if _onednn_known else os.environ.get(ONEDNN_ENV)
+    if not _onednn_known and "tensorflow" in sys.modules:
+        value = os.environ.get(ONEDNN_ENV)  # imported before this package: the best guess
+    return (value or "").strip().lower() not in ("0", "false")
 
 
 def watch_runtime_start() -> None:

@@ -15,12 +15,10 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import deque
 
 from .errors import SetupError
 from .profiler import TRACE_LOCK, profiler_options, running_recorder, set_recorder
 
-_HISTORY = 4  # events kept per address
 _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50 ms
 
 class Recorder:
@@ -30,7 +28,7 @@ class Recorder:
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
             raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
         self.window = float(window)
-        self.live: dict[str, dict[int, deque]] = {}  # allocator -> address -> its last events
+        self.live: dict[str, dict[int, tuple]] = {}  # allocator -> address -> (time, size, op)
         self.windows = 0
         self.events = 0
         self.notes: list[str] = []
@@ -57,8 +55,8 @@ class Recorder:
                              ) from None
         self._profiling = True
 
-    def _end_window(self) -> None:
-        """Stop the profiler and fold what it recorded into the live table."""
+    def _end_window(self, until_ns: int | None = None) -> None:
+        """Stop the profiler and fold what it recorded into the table."""
         import glob
         import os
 
@@ -77,25 +75,33 @@ class Recorder:
         try:
             for path in glob.glob(os.path.join(glob.escape(logdir), "plugins", "profile", "*", "*.xplane.pb")):
                 for name, events in read_xplane_file(path).items():
-                    self._fold(name, events)
+                    self._fold(name, events, until_ns)
         except Exception as exc:  # a window that cannot be read costs its names, never the user's cell
             self.notes.append(f"a window could not be read ({type(exc).__name__}: {exc})")
         finally:
             shutil.rmtree(logdir, ignore_errors=True)
         self.windows += 1
 
-    def _fold(self, name: str, events) -> None:
-        """Keep, per address, its last few allocations and frees (time, kind, size, op): an OOM's
-        dump is of the moment it failed, and the failed step frees its tensors right after."""
+    def _fold(self, name: str, events, until_ns: int | None = None) -> None:
+        """Keep, per address, its last allocation (wall-clock time, size, op), in bulk. until_ns:
+        an OOM's moment; the window's later allocations are left out (an OOM's dump is of the
+        moment it failed, and a hole its step freed may be taken again at once)."""
+        import numpy as np
+
         table = self.live.setdefault(name, {})
-        texts = events.texts
-        start = self._window_start_ns
-        for t, kind, address, size, op in zip(events.time_ns.tolist(), events.kind.tolist(),
-                                              events.address.tolist(), events.size.tolist(), events.op.tolist()):
-            history = table.get(address)
-            if history is None:
-                history = table[address] = deque(maxlen=_HISTORY)
-            history.append((start + t, kind, size, texts[op] if kind > 0 else ""))
+        allocs = events.kind > 0
+        times = events.time_ns[allocs] + self._window_start_ns
+        keep = times <= until_ns if until_ns is not None else np.ones(len(times), dtype=bool)
+        addresses = events.address[allocs][keep]
+        if len(addresses):
+            # the last allocation at each address: the first one in the reversed order
+            unique, first = np.unique(addresses[::-1], return_index=True)
+            last = len(addresses) - 1 - first
+            chosen_times = times[keep][last].tolist()
+            sizes = events.size[allocs][keep][last].tolist()
+            ops = events.op[allocs][keep][last].tolist()
+            texts = events.texts
+            table.update(zip(unique.tolist(), zip(chosen_times, sizes, (texts[o] for o in ops))))
         self.events += len(events)
 
     def pause(self) -> None:
@@ -110,12 +116,12 @@ class Recorder:
                 self._paused = False
                 self._start_window()
 
-    def roll(self) -> None:
+    def roll(self, until_ns: int | None = None) -> None:
         """End the current window and start the next (the cell's end, the timer, an OOM)."""
         with self._lock:
             if not self._profiling or self._paused:
                 return
-            self._end_window()
+            self._end_window(until_ns)
             if not self._stop_event.is_set():
                 self._start_window()
 
@@ -149,25 +155,22 @@ class Recorder:
         return not self._stop_event.is_set() and (self._profiling or self._paused)
 
     def op_of(self, allocator: str, address: int, size: int, at_ns: int | None = None) -> str | None:
-        """The op that made the chunk of this address and size that was in use at `at_ns` (an
-        OOM's dump: wall-clock nanoseconds) or is now (None), where a window saw it made.
-
-        At a moment, the chunk's maker is the last allocation at its address before it; the
-        frees that follow an OOM at once (the failed step's tensors) do not count. The window's
-        clock is matched to the wall clock within _SLACK_NS."""
-        for t, kind, chunk_size, op in reversed(self.live.get(allocator, {}).get(address, ())):
-            if at_ns is None:
-                return op if kind > 0 and chunk_size == size else None
-            if kind < 0 or t > at_ns + _SLACK_NS:
-                continue
-            return op if chunk_size == size else None
-        return None
+        """The op that made the chunk of this address and size in use at `at_ns` (an OOM's dump:
+        wall-clock nanoseconds; the window's clock matched to it within _SLACK_NS), where a
+        window saw it made: the last allocation at the address before that moment."""
+        entry = self.live.get(allocator, {}).get(address)
+        if entry is None:
+            return None
+        t, chunk_size, op = entry
+        if at_ns is not None and t > at_ns + _SLACK_NS:
+            return None  # taken again after that moment
+        return op if chunk_size == size else None
 
     def __repr__(self) -> str:
         state = "recording" if self.running else "stopped"
-        held = sum(1 for t in self.live.values() for h in t.values() if h and h[-1][1] > 0)
+        known = sum(len(t) for t in self.live.values())
         return (f"tfmem recorder ({state}): {self.windows} window(s) of up to {self.window:g} s, "
-                f"{self.events} allocator events read, {held} chunk(s) in use with their op")
+                f"{self.events} allocator events read, the op of {known} address(es) known")
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
@@ -220,7 +223,7 @@ def name_chunks(amap, at_ns: int | None = None):
     recorder = current()
     if recorder is None:
         return amap, False
-    recorder.roll()
+    recorder.roll(None if at_ns is None else at_ns + _SLACK_NS)
     chunks = []
     for c in amap.chunks:
         op = recorder.op_of(amap.allocator, c.address, c.size, at_ns) if c.in_use and not c.op else None

@@ -134,9 +134,11 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
 def cell_finished(result=None) -> OomReport | None:
     """post_run_cell: an OOM the cell raised is explained under its traceback."""
     global _last
+    from .profiler import TRACE_LOCK
+
     exc = getattr(result, "error_in_exec", None)
-    if not is_oom(exc) or getattr(exc, "_tfmem_explained", False):
-        return None
+    if not is_oom(exc) or getattr(exc, "_tfmem_explained", False) or TRACE_LOCK.locked():
+        return None  # a %%tfmem trace shows its own OOM map
     report = explain_exception(exc, _cell_dumps)
     with _lock:
         _last = report

@@ -439,8 +439,10 @@ class trace:
         self._growth = _allocator_growth()
         self._logdir = self._make_logdir()
         self._made_logdir = True
+        from .oom_watch import owned_prefix
+
         user_prefix = os.environ.get(DUMP_ENV)
-        if user_prefix:
+        if user_prefix and user_prefix != owned_prefix():  # the OOM watcher's place is not the user's
             # The user's own dump place: leave it, and read only the dumps written during the block.
             self._dump_prefix = user_prefix
             self._dumps_before = set(glob.glob(glob.escape(user_prefix) + "_*"))

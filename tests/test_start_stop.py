@@ -224,7 +224,7 @@ def test_ctrl_c_while_the_profiler_starts_leaves_fd2_the_environment_and_files_a
 
     before = State()
 
-    def interrupted(logdir):
+    def interrupted(logdir, options=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(tf.profiler.experimental, "start", interrupted)

@@ -82,12 +82,13 @@ from tfmem_widgets import run_fresh, trace
 tfmem_widgets.setup(lab_mb=64)
 with trace() as t:
     x = tf.zeros((1024,))
+    parent_env = os.environ.get("TF_BFC_MEMORY_DUMP")
     child = run_fresh(
         "import os, tensorflow as tf\\n"
         "dump_env = os.environ.get('TF_BFC_MEMORY_DUMP')\\n"
         "try:\\n    tf.zeros((40 << 18,))\\nexcept tf.errors.ResourceExhaustedError:\\n    pass\\n",
         setup={"lab_mb": 32}, returns=["dump_env"], echo=False)
-print(json.dumps({"child_env": child.values["dump_env"], "dumps": sorted(t.dumps),
+print(json.dumps({"child_env": child.values["dump_env"], "parent_env": parent_env, "dumps": sorted(t.dumps),
                   "source": t.map().source, "in_use": t.map().in_use_bytes,
                   "allocator_in_use": int(tf.config.experimental.get_memory_info("CPU:0")["current"])}))
 """
@@ -121,7 +122,10 @@ def test_a_users_own_dump_place_gets_the_files_and_keeps_them(ownership):
 
 def test_a_fresh_process_inside_a_trace_does_not_write_into_it(ownership):
     out = ownership[1]
-    assert out["child_env"] is None
+    # The child's dumps go to its own OOM watcher's folder (its cell runs with the extension loaded),
+    # never to the place the parent's trace set.
+    assert out["parent_env"] and out["child_env"] != out["parent_env"]
+    assert out["child_env"] is None or "tfmem-oom-" in out["child_env"]
     assert out["dumps"] == [] and out["source"] != "dump"
     assert out["in_use"] == out["allocator_in_use"] < 1 << 20
 

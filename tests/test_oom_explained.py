@@ -140,9 +140,26 @@ print(json.dumps({"raised": type(result.error_in_exec).__name__, "keys": list(la
 """
 
 
+XLA_TRACE = """
+import json, tfmem_widgets
+tfmem_widgets.setup(lab_mb=400)
+import keras, numpy as np
+model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(2048, activation="relu", name="wide"),
+                          keras.layers.Dense(4096, name="wider"), keras.layers.Dense(1, name="out")])
+model.compile("adam", "mse", jit_compile=True)   # the train step is an XLA program, as Keras makes it on a GPU
+x = np.random.rand(8192, 256).astype("float32"); y = np.random.rand(8192, 1).astype("float32")
+with tfmem_widgets.trace() as t:
+    model.fit(x, y, batch_size=1024, epochs=1, verbose=0)
+layers = t.by_layer("peak")
+print(json.dumps({"keys": list(layers), "totals": dict(layers.items()), "total": layers.total_bytes,
+                  "unattributed": layers.unattributed_bytes, "jit": bool(model.jit_compile)}))
+"""
+
+
 @pytest.fixture(scope="module")
 def keras_ooms():
-    procs = {"plain": start_fresh(KERAS), "recorded": start_fresh(KERAS, {"RECORD": "1"})}
+    procs = {"plain": start_fresh(KERAS), "recorded": start_fresh(KERAS, {"RECORD": "1"}),
+             "xla": start_fresh(XLA_TRACE)}
     return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
 
 
@@ -165,6 +182,15 @@ def test_the_recorder_names_the_failed_steps_activations(keras_ooms):
     assert "(input pipeline)" in out["keys"]
     assert "(activations and temporaries)" not in out["keys"]
     assert sum(sum(p.values()) for p in out["phases"].values()) == out["in_use"]
+
+
+def test_a_traced_xla_fit_leaves_at_most_5_percent_unattributed_at_its_peak(keras_ooms):
+    out = keras_ooms["xla"]
+    assert out["jit"]
+    assert out["unattributed"] <= 0.05 * out["total"]
+    program = out["totals"].get("(XLA program in multi_step_on_iterator)", 0)
+    assert program >= 0.2 * out["total"]          # XLA's buffers, named by the program that made them
+    assert sum(out["totals"].values()) == out["total"]
 
 
 def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):

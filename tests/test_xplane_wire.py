@@ -100,3 +100,32 @@ def test_every_event_layout_decodes_the_same_both_ways(layouts):
     fast = read_xspace(data)
     assert fast["bfc"].kind.tolist() == [1, -1] * (len(layouts) // 2)
     assert_same(fast, read_xspace_reference(data))
+
+
+def test_allocations_without_an_op_are_named_by_the_activity_around_them(lab_session, tmp_path):
+    # An XLA program allocates through TensorFlow's allocator without an op: both decoders name
+    # each such allocation by the XLA executable and the tf.function running it.
+    import tensorflow as tf
+
+    from tfmem_widgets import trace as run_trace
+
+    @tf.function(jit_compile=True)
+    def scaled_sum(a):
+        return tf.reduce_sum(tf.sin(a) * tf.cos(a) + a * a, axis=0)
+
+    @tf.function  # as Keras calls its XLA train step from a plain tf.function
+    def step(a):
+        return scaled_sum(a) + 1.0
+
+    with tf.device("CPU:0"):
+        a = tf.ones((512, 1024))
+        step(a)
+        with run_trace(keep=tmp_path / "x"):
+            step(a)
+    data = next((tmp_path / "x").rglob("*.xplane.pb")).read_bytes()
+    fast = read_xspace(data)
+    assert_same(fast, read_xspace_reference(data))
+    events = fast["bfc_cpu_allocator_for_gpu"]
+    labels = {events.texts[i] for i, kind in zip(events.op, events.kind) if kind > 0}
+    assert "(XLA program in step)" in labels
+    assert "" not in labels

@@ -46,6 +46,7 @@ def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, A
             texts.append(value)
         return index
 
+    unnamed = []  # (columns, row, plane, line, time in ps) of allocations without an op
     for plane in space.planes:
         kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
         if not kinds:
@@ -99,6 +100,9 @@ def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, A
                 columns["op"].append(row[8])
                 columns["shape"].append(row[9])
                 columns["region"].append(row[10])
+                if kind > 0 and not row[8]:
+                    unnamed.append((columns, len(columns["op"]) - 1, plane, line, base_ps + event.offset_ps))
+    _name_unnamed(unnamed, space, intern)
     return events_from_columns(
         {texts[k]: {name: np.frombuffer(col, dtype=NUMPY_TYPES[name]).copy() for name, col in cols.items()}
          for k, cols in columns_by_allocator.items()},
@@ -106,3 +110,27 @@ def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, A
     )
 
 
+
+
+def _name_unnamed(unnamed, space, intern) -> None:
+    """Each allocation without an op named by the activities around it, event by event: those
+    covering it on its own line, and the tf.functions running then on any line."""
+    from tfmem_widgets.xplane_wire import _FUNCTION, _NOT_ACTIVITIES, context_label
+
+    if not unnamed:
+        return
+
+    def spans(plane, line, only=lambda name: True):
+        names = {mid: m.name for mid, m in plane.event_metadata.items()}
+        base = line.timestamp_ns * 1000
+        return [(base + e.offset_ps, base + e.offset_ps + e.duration_ps, names[e.metadata_id])
+                for e in line.events if e.duration_ps > 0 and not names[e.metadata_id].startswith(_NOT_ACTIVITIES)
+                and only(names[e.metadata_id])]
+
+    functions = sorted(s for plane in space.planes for line in plane.lines
+                       for s in spans(plane, line, lambda name: _FUNCTION.search(name) is not None))
+    for columns, row, plane, line, t in unnamed:
+        own = sorted(spans(plane, line))
+        enclosing = [name for begin, end, name in own if begin <= t <= end]
+        running = [name for begin, end, name in functions if begin <= t <= end]
+        columns["op"][row] = intern(context_label(enclosing, running))

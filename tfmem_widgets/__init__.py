@@ -95,10 +95,8 @@ def _before_cell(info=None):
 def _explain_oom(result=None):
     """post_run_cell: an OOM the cell raised is explained in its output."""
     from .oom_watch import cell_finished
-    from .recorder import after_cell
 
     cell_finished(result)
-    after_cell()  # the recorder's window ends with the cell
 
 
 def load_ipython_extension(ipython):

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .units import format_bytes
+from .xplane_wire import _FUNCTION
 
 PARAMETERS = "parameters"
 OPTIMIZER_STATE = "optimizer state"
@@ -217,14 +218,17 @@ class OpReader:
         self.models = {p[0] for p in self.layers}
 
     def read(self, op: str) -> tuple[str, str]:
+        if op.startswith("("):  # no op: the activity that made it, named by the trace's reader
+            return op, OTHER
         parts = [p for p in op.split("/") if p]
+        function = next((_FUNCTION.search(p).group(1) for p in parts if _FUNCTION.search(p)), None)
         backward = False
         while parts and (parts[0] in _WRAPPERS or parts[0].startswith("__inference")
                          or parts[0] == "gradient_tape"):
             backward |= parts[0] == "gradient_tape"
             parts = parts[1:]
         if not parts:
-            return UNATTRIBUTED, OTHER
+            return (f"(in {function})", OTHER) if function else (UNATTRIBUTED, OTHER)
         layer = self._layer(parts)
         if layer is not None:
             return layer, BACKWARD if backward else FORWARD

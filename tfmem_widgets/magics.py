@@ -140,8 +140,8 @@ def _parsers():
     rec = commands.add_parser("record", help="record allocator events (host tracer only) so the next OOM names "
                                              "every chunk's op and layer (record stop: stop)")
     rec.add_argument("action", nargs="?", choices=["stop"], help="stop recording")
-    rec.add_argument("--window", type=_window, action=_Once, default=60.0, metavar="S",
-                     help="seconds per profiler window (1-3600; default 60)")
+    rec.add_argument("--window", type=_window, action=_Once, default=10.0, metavar="S",
+                     help="seconds per profiler window (1-3600; default 10)")
     commands.add_parser("oom", help="the last OOM's report again")
     s = commands.add_parser(
         "setup",

@@ -4,9 +4,10 @@ OOM's dump can name every chunk's op, layer and phase.
 TensorFlow's allocator events are host events (TraceMe at level 2, recorded on the /host:CPU
 plane even for a GPU's allocator), so the profiler runs with the host tracer alone: no device
 tracer (CUPTI on a GPU), no Python tracer. The profiler keeps its events in memory until it
-stops, so the recorder works in windows: every `window` seconds (and at each cell's end in
-IPython) it stops, folds the window's allocations into a table of the chunks still in use
-(address -> op and size), and starts again. At an OOM the report reads that table.
+stops, so the recorder works in windows: every `window` seconds its own thread stops it, folds
+the window's allocations into a table (each address's last allocation: time, size, op) and
+starts it again, so the cost of collecting lands beside the user's work, not in a cell's time.
+At an OOM the window is ended at once and the report reads that table.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50
 class Recorder:
     """``tfmem_widgets.record()`` starts one; ``stop()`` ends it. One per process."""
 
-    def __init__(self, window: float = 60.0):
+    def __init__(self, window: float = 10.0):
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
             raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
         self.window = float(window)
@@ -152,7 +153,7 @@ class Recorder:
 
     @property
     def running(self) -> bool:
-        return not self._stop_event.is_set() and (self._profiling or self._paused)
+        return self._thread is not None and not self._stop_event.is_set()
 
     def op_of(self, allocator: str, address: int, size: int, at_ns: int | None = None) -> str | None:
         """The op that made the chunk of this address and size in use at `at_ns` (an OOM's dump:
@@ -179,7 +180,7 @@ class Recorder:
 _current_lock = threading.Lock()
 
 
-def record(window: float = 60.0) -> Recorder:
+def record(window: float = 10.0) -> Recorder:
     """Start recording allocator events (host tracer only) so that the next OOM names each
     chunk's op, layer and phase. Returns the running Recorder; ``stop()`` ends it."""
     with _current_lock:
@@ -205,13 +206,6 @@ def stop() -> Recorder | None:
 def current() -> Recorder | None:
     recorder = running_recorder()
     return recorder if recorder is not None and recorder.running else None
-
-
-def after_cell() -> None:
-    """A window ends with each cell: its events are folded while the kernel is idle."""
-    recorder = current()
-    if recorder is not None:
-        recorder.roll()
 
 
 def name_chunks(amap, at_ns: int | None = None):

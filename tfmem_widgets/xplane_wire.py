@@ -11,6 +11,7 @@ as numpy arrays. The plain decoder in the tests (xspace_reference.py) gives the 
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -30,7 +31,7 @@ _PADDING = b"\0" * 16
 _GROUP_EVENTS = 1 << 10  # memory events decoded together
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 # XEvent fields and XStat fields (tsl/profiler/protobuf/xplane.proto).
-_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_STATS = 1, 2, 4
+_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS, _EVENT_STATS = 1, 2, 3, 4
 _STAT_METADATA_ID, _STAT_DOUBLE, _STAT_UINT64, _STAT_INT64, _STAT_STR, _STAT_REF = 1, 2, 3, 4, 5, 7
 
 
@@ -252,6 +253,7 @@ def read_memory_columns(data: bytes | None, source: str):
         return index
 
     parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    lines = []  # (plane, line) by the number memory events carry
     try:
         for plane in space.planes:
             kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
@@ -259,20 +261,125 @@ def read_memory_columns(data: bytes | None, source: str):
                 continue
             stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
             for line in plane.lines:
+                lines.append((plane, line))
                 events = line.events
                 for first in range(0, len(events), _CHUNK_EVENTS):
                     batch = events[first:first + _CHUNK_EVENTS]
-                    _decode_batch(batch, line.timestamp_ns, kinds, stat_names, intern, parts)
+                    _decode_batch(batch, line.timestamp_ns, kinds, stat_names, intern, parts, len(lines) - 1)
+        columns = {
+            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+            for allocator, pieces in ((k, v) for k, v in parts.items())
+        }
+        name_unnamed_allocations(columns, lines, intern)
     except ValueError as exc:
         raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
-    columns = {
-        texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
-        for allocator, pieces in ((k, v) for k, v in parts.items())
-    }
     return columns, texts
 
 
-def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts) -> None:
+# -- allocations without an op: named by the activity around them -------------------------------
+#
+# XLA's programs allocate through TensorFlow's allocator without an op annotation (tf_op empty);
+# so do tensors made from Python (tf.constant) and graph building. The profiler's activities on
+# the same thread say what was running: an XLA executable ("CpuExecutable::ExecuteAsyncOnStream",
+# "XlaLaunch", ...), a tf.function ("__inference_<name>_<n>", on the thread that called it).
+
+_XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|XlaLaunch|XlaRun|PjRt|ThunkExecutor")
+_FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function: __inference_<name>_<n>
+_NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
+
+
+def context_label(enclosing: list[str], functions: list[str]) -> str:
+    """The name of what made an allocation without an op, from the activities enclosing it on
+    its thread (innermost last) and the tf.functions running then (innermost last)."""
+    own = [m.group(1) for m in map(_FUNCTION.search, enclosing) if m]
+    running = [m.group(1) for m in map(_FUNCTION.search, functions) if m]
+    function = own[-1] if own else (running[-1] if running else None)
+    if any(_XLA_MARKER.search(name) for name in enclosing):
+        return f"(XLA program in {function})" if function else "(XLA program)"
+    if function:
+        return f"(in {function})"
+    return f"(in {enclosing[-1]})" if enclosing else ""
+
+
+def _activities(plane, line, only=None):
+    """(start ps, end ps, name) of the line's activities with a duration, by start; only: a
+    test on the name."""
+    names = {mid: m.name for mid, m in plane.event_metadata.items()
+             if not m.name.startswith(_NOT_ACTIVITIES) and (only is None or only(m.name))}
+    events = line.events
+    if not names or not len(events):
+        return []
+    lengths = np.fromiter(map(len, events), dtype=np.int64, count=len(events))
+    buf = np.frombuffer(b"".join([*events, _PADDING]), dtype=np.uint8)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    n = len(events)
+    meta = np.zeros(n, dtype=np.uint64)
+    offset = np.zeros(n, dtype=np.uint64)
+    duration = np.zeros(n, dtype=np.uint64)
+    for alive, field, wire, _pos, value, _size in _fields(buf, starts, ends):
+        varint = wire == _WIRE_VARINT
+        for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset), (_EVENT_DURATION_PS, duration)):
+            pick = varint & (field == number)
+            column[alive[pick]] = value[pick]
+    base = int(line.timestamp_ns) * 1000
+    keep = np.nonzero((duration > 0) & np.isin(meta, np.array(sorted(names), dtype=np.uint64)))[0]
+    found = [(base + int(offset[k]), base + int(offset[k]) + int(duration[k]), names[int(meta[k])])
+             for k in keep.tolist()]
+    found.sort()
+    return found
+
+
+def _sweep(activities, times):
+    """For each time (ascending), the names of the activities covering it, outermost first:
+    one pass, keeping only the activities still open (a thread's activities nest, so few are)."""
+    out, open_, k = [], [], 0
+    for t in times:
+        while k < len(activities) and activities[k][0] <= t:
+            open_.append(activities[k])
+            k += 1
+        open_ = [a for a in open_ if a[1] >= t]
+        out.append([a[2] for a in open_])
+    return out
+
+
+def name_unnamed_allocations(columns, lines, intern) -> None:
+    """Give each allocation without an op the name of the activity that made it (in place)."""
+    todo = []
+    for allocator, cols in columns.items():
+        unnamed = np.nonzero((cols["kind"] > 0) & (cols["op"] == 0))[0]
+        if len(unnamed):
+            todo.append((cols, unnamed))
+    if not todo:
+        for cols in columns.values():
+            cols.pop("line", None)
+        return
+    functions = []
+    for plane, line in lines:
+        functions += _activities(plane, line, only=lambda name: _FUNCTION.search(name) is not None)
+    functions.sort()
+    activities_of: dict[int, list] = {}
+    for cols, unnamed in todo:
+        times = cols["time_ns"][unnamed] * 1000
+        line_of = cols["line"][unnamed]
+        labels = np.zeros(len(unnamed), dtype=np.int64)
+        order = np.argsort(times, kind="stable")
+        running = _sweep(functions, times[order].tolist())
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))  # where each allocation sits in time order
+        for line_number in np.unique(line_of).tolist():
+            if line_number not in activities_of:
+                activities_of[line_number] = _activities(*lines[line_number])
+            mine = order[line_of[order] == line_number]  # this line's allocations, in time order
+            enclosing = _sweep(activities_of[line_number], times[mine].tolist())
+            for k, chain in zip(mine.tolist(), enclosing):
+                labels[k] = intern(context_label(chain, running[rank[k]]))
+        cols["op"][unnamed] = labels.astype(cols["op"].dtype)
+    for cols in columns.values():
+        cols.pop("line", None)
+
+
+def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts, line_number) -> None:
     lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
     # Padding past the end lets a damaged varint be read without an index error.
     buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
@@ -292,10 +399,10 @@ def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts) -> None
     for first in range(0, len(chosen), _GROUP_EVENTS):
         group = chosen[first:first + _GROUP_EVENTS]
         kind = kind_of_id[np.searchsorted(memory_ids, ids[group])]
-        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts)
+        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts, line_number)
 
 
-def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts) -> None:
+def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts, line_number) -> None:
     offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends)
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
@@ -344,7 +451,8 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
         mine = allocator == name_index
-        columns = {"time_ns": time_ns[mine], "kind": kind[mine]}
+        columns = {"time_ns": time_ns[mine], "kind": kind[mine],
+                   "line": np.full(int(mine.sum()), line_number, dtype=np.int64)}
         for column, stat in STAT_OF_COLUMN.items():  # each column from its stat's slot (events.py)
             slot = SLOTS[stat]
             if slot == FRAGMENTATION_SLOT:

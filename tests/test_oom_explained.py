@@ -16,9 +16,9 @@ SHELL = """
 import json, os, glob, contextlib, io
 from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
-shown = io.StringIO()
+shown, said = io.StringIO(), io.StringIO()
 def cell(source):
-    with contextlib.redirect_stdout(shown):
+    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said):
         return ip.run_cell(source)
 """
 
@@ -48,7 +48,7 @@ result = cell(REQUEST)
 import tfmem_widgets
 from tensorflow.core.protobuf import bfc_memory_map_pb2
 r = tfmem_widgets.last_oom()
-out = {"raised": type(result.error_in_exec).__name__, "shown": shown.getvalue()}
+out = {"raised": type(result.error_in_exec).__name__, "shown": shown.getvalue(), "said": said.getvalue()}
 dump = bfc_memory_map_pb2.MemoryDump()
 dump.ParseFromString(open(r.dump_path, "rb").read())
 out["theirs"] = sorted([c.address, c.size, c.in_use] for c in dump.chunk)
@@ -97,6 +97,13 @@ def test_an_oom_in_a_plain_cell_is_explained_with_tensorflows_own_dump(plain_cel
     # the extension's own folder: dumps there while loaded, gone after unload, variable restored
     assert out["dump_path"].startswith(os.path.dirname(out["watch_folder"]))
     assert out["after_unload"] is None and out["own_folder_left"] is False
+
+
+def test_a_refusal_is_said_while_the_cell_still_waits(plain_cells):
+    # TensorFlow waits 10 s after a refusal before the OOM is raised: the cell is told at once.
+    out = plain_cells["alternate"]
+    line = next(l for l in out["said"].splitlines() if l.startswith("tfmem: the allocator refused"))
+    assert "bfc_cpu_allocator_for_gpu: 24.00 MiB in use in a 62.00 MiB pool, largest free chunk 12.00 MiB" in line
 
 
 def test_the_verdicts_follow_the_numbers(plain_cells):
@@ -226,13 +233,9 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"   # as a user who imported TensorFlow 
 cell("import tensorflow as tf")
 cell("%load_ext tfmem_widgets")
 cell("%tfmem setup --lab 64")
-import sys, io
-err = io.StringIO()
-sys.stderr, real = err, sys.stderr
 cell("f = tf.function(lambda a: a, jit_compile=True)")
 cell("g = tf.function(lambda a: a, jit_compile=True)")
-sys.stderr = real
-print(json.dumps({"err": err.getvalue()}))
+print(json.dumps({"err": said.getvalue()}))
 """
 
 

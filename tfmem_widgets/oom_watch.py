@@ -55,6 +55,7 @@ def watch_oom() -> str:
 def unwatch_oom() -> None:
     """Undo watch_oom: the variable as it was, the package's folder removed (never a user's)."""
     global _folder, _prefix
+    _stop_refusals()
     with _lock:
         if _prefix is not None and os.environ.get(DUMP_ENV) == _prefix:
             os.environ.pop(DUMP_ENV, None)
@@ -82,9 +83,85 @@ def _dump_files(prefix: str | None, allocator: str | None = None) -> list[str]:
 
 
 def cell_started() -> None:
-    """pre_run_cell: note the dumps that exist, so an OOM reads only the ones its cell wrote."""
-    global _cell_dumps
+    """pre_run_cell: note the dumps that exist, so an OOM reads only the ones its cell wrote; and
+    watch for refusals while the cell runs."""
+    global _cell_dumps, _refusals
     _cell_dumps = set(_dump_files(watched_prefix()))
+    _stop_refusals()
+    if watched_prefix():
+        _refusals = _RefusalWatch(watched_prefix(), _cell_dumps)
+        _refusals.start()
+
+
+# -- refusals while a cell runs ---------------------------------------------------------------
+#
+# TensorFlow's allocator waits 10 s after refusing a request before it gives up, and writes a
+# dump each time. Measured on an H200: an XLA fit under a 1024 MB limit had its GEMM autotuner
+# (compiling, before the first step) refused scratch buffers of 256, 160 and then 64 MiB over
+# and over, 10 s each, for minutes, with nothing raised. A cell that is refused is told so as
+# it happens, not minutes later.
+
+REFUSAL_POLL_S = 1.0
+AUTOTUNE_HINT = ("refusals one after another while nothing raises: an XLA program's compiler (its GEMM autotuner) "
+                 "is trying kernels that need scratch memory, and each refusal costs 10 s; interrupt the cell, "
+                 "then lower the batch, or set XLA_FLAGS=--xla_gpu_autotune_level=0 before TensorFlow starts, "
+                 "or compile with jit_compile=False")
+_refusals = None
+
+
+class _RefusalWatch(threading.Thread):
+    """Polls the dump place while a cell runs; says each new refusal once, with its figures."""
+
+    def __init__(self, prefix: str, existing: set[str]):
+        super().__init__(name="tfmem-refusals", daemon=True)
+        self.prefix, self.seen = prefix, set(existing)
+        self.stop_event = threading.Event()
+        self.refusals = 0
+        self.times: list[float] = []
+
+    def run(self) -> None:
+        import sys
+        import time
+
+        while not self.stop_event.wait(REFUSAL_POLL_S):
+            new = sorted(set(_dump_files(self.prefix)) - self.seen)
+            if not new:
+                continue
+            self.seen.update(new)
+            path = new[-1]
+            self.refusals += 1
+            self.times.append(time.time())
+            line = f"tfmem: the allocator refused a request ({_refusal_figures(path)}); TensorFlow retries for 10 s"
+            if self.refusals >= 3:
+                line += f"; {self.refusals} refusals in this cell so far: {AUTOTUNE_HINT}"
+            print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self is not threading.current_thread():
+            self.join(timeout=5)
+
+
+def _refusal_figures(path: str) -> str:
+    from .bfc_dump import load_memory_dump
+    from .errors import TraceDataError
+    from .units import format_bytes
+
+    try:
+        dump = load_memory_dump(path)
+    except (TraceDataError, OSError):
+        return os.path.basename(path)
+    return (f"{dump.allocator}: {format_bytes(dump.in_use_bytes)} in use in a {format_bytes(dump.pool_bytes)} pool, "
+            f"largest free chunk {format_bytes(dump.largest_free_bytes)}")
+
+
+def _stop_refusals() -> int:
+    global _refusals
+    watch, _refusals = _refusals, None
+    if watch is None:
+        return 0
+    watch.stop()
+    return watch.refusals
 
 
 def _tidy_own_folder(keep: str | None) -> None:

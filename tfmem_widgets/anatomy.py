@@ -204,7 +204,8 @@ def optimizer_names(namespace: dict | None = None) -> list[str]:
 # -- an op's name, read the way Keras writes it ----------------------------------------------
 
 _WRAPPERS = {"StatefulPartitionedCall", "PartitionedCall", "while", "cond", "body"}
-_PIPELINE = re.compile(r"Dataset|Iterator|GatherV2|IteratorGetNext|OptionalFromValue|OptionalGetValue")
+# tf.data's ops, and the copy of a batch onto the device (measured on an H200: SameWorkerRecvDone)
+_PIPELINE = re.compile(r"Dataset|Iterator|GatherV2|IteratorGetNext|OptionalFromValue|OptionalGetValue|RecvDone|_Recv")
 _SUFFIX = re.compile(r"(?:_\d+)+$")
 
 
@@ -239,7 +240,7 @@ class OpReader:
             return INPUT_PIPELINE, OTHER
         if head.startswith(("compile_loss", "compile_metrics", "loss", "metrics", "mean", "mean_squared")):
             return LOSS, BACKWARD if backward else OTHER
-        return UNATTRIBUTED, OTHER
+        return f"(op {parts[0]})", BACKWARD if backward else OTHER  # an op outside any layer: named as it is
 
     def _layer(self, parts: list[str]) -> str | None:
         """The longest known layer path the op's scopes name. A scope is a layer's name, or the
@@ -390,7 +391,7 @@ def anatomy(amap, namespace: dict | None = None, variables=None, reader: OpReade
             notes.append("TensorFlow's dump names no ops" + (": chunks that are not a Keras variable are counted as "
                          "activations and temporaries" if variables else "") +
                          "; %tfmem record (or %%tfmem trace) names each chunk's op and layer")
-    if variables and not matched and live:
+    if variables and not matched and live and not amap.before_trace_bytes:
         notes.append("no Keras variable of the namespace is in this map (another device, or freed)")
     plain = {k: dict(v) for k, v in rows.items()}
     return LayerAnatomy(plain, amap.in_use_bytes, tuple(notes))

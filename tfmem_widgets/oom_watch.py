@@ -102,10 +102,12 @@ def cell_started() -> None:
 # it happens, not minutes later.
 
 REFUSAL_POLL_S = 1.0
-AUTOTUNE_HINT = ("refusals one after another while nothing raises: an XLA program's compiler (its GEMM autotuner) "
-                 "is trying kernels that need scratch memory, and each refusal costs 10 s; interrupt the cell, "
-                 "then lower the batch, or set XLA_FLAGS=--xla_gpu_autotune_level=0 before TensorFlow starts, "
-                 "or compile with jit_compile=False")
+HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else
+AUTOTUNE_HINT = ("refused for this long without an error: if the cell runs an XLA program (jit_compile=True, Keras' "
+                 "default on a GPU), its compiler's GEMM autotuner is trying kernels whose scratch memory does not "
+                 "fit, 10 s a refusal, for minutes; interrupt the cell, then set XLA_FLAGS=--xla_gpu_autotune_level=0 "
+                 "before TensorFlow starts (measured on an H200: the same fit then trained), lower the batch, or "
+                 "compile with jit_compile=False")
 _refusals = None
 
 
@@ -116,8 +118,9 @@ class _RefusalWatch(threading.Thread):
         super().__init__(name="tfmem-refusals", daemon=True)
         self.prefix, self.seen = prefix, set(existing)
         self.stop_event = threading.Event()
-        self.refusals = 0
+        self.refusals = 0  # dumps TensorFlow wrote: one when it refuses, one when its 10 s retry fails
         self.times: list[float] = []
+        self.hinted = False
 
     def run(self) -> None:
         import sys
@@ -128,12 +131,18 @@ class _RefusalWatch(threading.Thread):
             if not new:
                 continue
             self.seen.update(new)
-            path = new[-1]
-            self.refusals += 1
-            self.times.append(time.time())
-            line = f"tfmem: the allocator refused a request ({_refusal_figures(path)}); TensorFlow retries for 10 s"
-            if self.refusals >= 3:
-                line += f"; {self.refusals} refusals in this cell so far: {AUTOTUNE_HINT}"
+            self.refusals += len(new)
+            now = time.time()
+            self.times.append(now)
+            waited = now - self.times[0]
+            if self.refusals == len(new):
+                line = (f"tfmem: the allocator refused a request ({_refusal_figures(new[-1])}); TensorFlow "
+                        "waits 10 s for memory to be freed, then raises")
+            else:
+                line = f"tfmem: refused again ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
+            if waited >= HINT_AFTER_S and not self.hinted:
+                self.hinted = True
+                line += f"; {AUTOTUNE_HINT}"
             print(line, file=sys.stderr, flush=True)
 
     def stop(self) -> None:

@@ -283,7 +283,8 @@ def read_memory_columns(data: bytes | None, source: str):
 # the same thread say what was running: an XLA executable ("CpuExecutable::ExecuteAsyncOnStream",
 # "XlaLaunch", ...), a tf.function ("__inference_<name>_<n>", on the thread that called it).
 
-_XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|XlaLaunch|XlaRun|PjRt|ThunkExecutor")
+# CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
+_XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
 _FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function: __inference_<name>_<n>
 _NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
 

@@ -5,6 +5,7 @@ starts. Only allocation and elementwise ops are used (tf.zeros / tf.fill / +), w
 on every CUDA build. Skipped where TensorFlow sees no GPU.
 """
 
+import subprocess
 import textwrap
 
 import pytest
@@ -302,3 +303,71 @@ def test_the_workbooks_gpu_experiments_run_live_and_measure_what_they_say():
     assert dropped.values["nvml_delta"] >= 1000 << 20        # the whole 1024 MB limit
     forced = gpu_result("force_growth_logical")
     assert forced.values["nvml_delta"] < 64 << 20            # a small first region
+
+
+KERAS_OOM = """
+import io, contextlib, sys, time
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+class Said(io.StringIO):  # what the cell is told on stderr, kept and passed on as it comes
+    def write(self, text):
+        sys.__stderr__.write(text)
+        sys.__stderr__.flush()
+        return super().write(text)
+shown, said = io.StringIO(), Said()
+def cell(source):
+    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said):
+        return ip.run_cell(source)
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --limit 1024")
+cell('''
+import numpy as np, keras, tensorflow as tf
+model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, activation="relu", name="wide"),
+                          keras.layers.Dense(4096, activation="relu", name="wider"), keras.layers.Dense(1, name="out")])
+model.compile("adam", "mse"JIT)   # Keras' default on a GPU: the train step is an XLA program
+x = np.random.rand(ROWS, 1024).astype("float32"); y = np.random.rand(ROWS, 1).astype("float32")
+''')
+result = cell("model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)")
+r = tfmem_widgets.last_oom()
+print(json.dumps({"raised": type(result.error_in_exec).__name__ if result.error_in_exec else None,
+                  "jit": bool(ip.user_ns["model"].jit_compile), "said": said.getvalue(),
+                  "shown": shown.getvalue(), "verdict": r and r.verdict, "allocator": r and r.allocator,
+                  "limit": r and r.limit_bytes, "capacity": r and r.capacity_bytes,
+                  "request": r and r.request_bytes, "largest": r and r.largest_free_bytes,
+                  "keys": r and list(r.by_layer())}))
+"""
+
+
+def _keras_oom(jit, rows, batch, env=None):
+    code = KERAS_OOM.replace("JIT", jit).replace("ROWS", str(rows)).replace("BATCH", str(batch))
+    return fresh(code, env=env)
+
+
+def test_a_keras_fit_without_xla_that_runs_out_of_a_logical_device_limit_is_explained():
+    out = _keras_oom(", jit_compile=False", 32768, 16384)
+    assert out["raised"] == "ResourceExhaustedError" and not out["jit"]
+    assert out["allocator"] == "GPU_0_bfc" and out["limit"] == 1024 * MiB
+    assert out["request"] > out["largest"]
+    assert out["verdict"] == "limit" and out["capacity"] > 100 * 1024 * MiB   # the card has far more
+    assert out["keys"][0] == "sequential/wider"
+    assert "OOM in GPU_0_bfc" in out["shown"] and "tfmem: the allocator refused a request (GPU_0_bfc" in out["said"]
+
+
+def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits():
+    # Keras' default on a GPU compiles the step with XLA. With XLA's GEMM autotuner off, a fit too big
+    # for the limit raises and is explained; with it on, the autotuner is refused scratch memory again
+    # and again (10 s each, measured for minutes): the cell is told while it waits.
+    out = _keras_oom("", 32768, 32768, env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"})
+    assert out["jit"] and out["raised"] == "ResourceExhaustedError"
+    assert out["allocator"] in ("GPU_0_bfc", "unknown") and "verdict:" in out["shown"]
+    code = PRELUDE + KERAS_OOM.replace("JIT", "").replace("ROWS", "16384").replace("BATCH", "8192")
+    from conftest import start_fresh
+
+    proc = start_fresh(code)
+    try:
+        _, said = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, said = proc.communicate()
+    assert "tfmem: the allocator refused a request (GPU_0_bfc" in said
+    assert "refused again" in said and "--xla_gpu_autotune_level=0" in said

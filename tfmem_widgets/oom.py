@@ -36,10 +36,15 @@ class OomInfo:
 def oom_info(exc: BaseException, dump_text: str) -> OomInfo | None:
     """The failed allocation TensorFlow's error names, with its request in bytes (from the
     allocator's log where it said, else from the shape and type); None for another error."""
-    found = _OOM.search(str(exc))
+    return oom_info_of_text(str(exc), dump_text)
+
+
+def oom_info_of_text(text: str, dump_text: str = "") -> OomInfo | None:
+    """oom_info for an error's text (or a log holding TensorFlow's OOM line)."""
+    found = _OOM.search(text)
     if not found:
         return None
-    message = str(exc)[found.start():].splitlines()[0]
+    message = text[found.start():].splitlines()[0]
     dims = [int(d) for d in found.group(1).replace(" ", "").split(",") if d]
     count = int(np.prod(dims)) if dims else 1
     request = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .allocator_map import AllocatorMap
 from .errors import TraceDataError
-from .oom import OomInfo, rounded
+from .oom import oom_info_of_text, rounded
 from .units import MiB, format_bytes
 
 FRAGMENTATION = "fragmentation"
@@ -24,6 +24,10 @@ UNEXPLAINED = "not explained by the dump"
 
 _XLA_OOM = re.compile(r"Out of memory while trying to allocate (\d+) bytes")
 _LIMIT_SOURCES_CAPPED = ("lab mode", "logical device limit", "memory fraction")
+
+
+def _of_map(name: str) -> property:
+    return property(lambda self: None if self.map is None else getattr(self.map, name))
 
 
 @dataclass
@@ -50,21 +54,12 @@ class OomReport:
     notes: tuple[str, ...] = field(default=())
 
     # -- figures -----------------------------------------------------------------------
-    @property
-    def in_use_bytes(self) -> int | None:
-        return None if self.map is None else self.map.in_use_bytes
-
-    @property
-    def pool_bytes(self) -> int | None:
-        return None if self.map is None else self.map.pool_bytes
-
-    @property
-    def largest_free_bytes(self) -> int | None:
-        return None if self.map is None else self.map.largest_free_bytes
-
-    @property
-    def free_in_pool_bytes(self) -> int | None:
-        return None if self.map is None else self.map.free_bytes
+    # Figures of the allocator's state at the failure (None without a dump).
+    in_use_bytes = _of_map("in_use_bytes")
+    pool_bytes = _of_map("pool_bytes")
+    largest_free_bytes = _of_map("largest_free_bytes")
+    free_in_pool_bytes = _of_map("free_bytes")
+    fragmentation = _of_map("fragmentation")
 
     @property
     def holes(self) -> int:
@@ -82,10 +77,6 @@ class OomReport:
         if self.map is None or self.limit_bytes is None:
             return None
         return max(0, self.limit_bytes - self.map.in_use_bytes)
-
-    @property
-    def fragmentation(self) -> float | None:
-        return None if self.map is None else self.map.fragmentation
 
     @property
     def capped(self) -> bool:
@@ -283,17 +274,9 @@ def _svg_map(report: OomReport, width: int = 640) -> str:
 
 # -- building a report ----------------------------------------------------------------------
 
-_OOM_LINE = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
-
-
 def failed_request(text: str) -> tuple[str | None, int | None, str, bool]:
     """(allocator, request bytes, TensorFlow's line, from XLA) from an error's text or a log."""
-    from .oom import oom_info
-
-    class _Text(Exception):
-        pass
-
-    info: OomInfo | None = oom_info(_Text(text), text)
+    info = oom_info_of_text(text, text)
     if info is not None:
         return info.allocator, info.request_bytes, info.message, False
     found = _XLA_OOM.search(text)
@@ -312,7 +295,7 @@ def is_oom(exc: BaseException | None) -> bool:
     if "ResourceExhaustedError" in names:
         return True
     text = str(exc)
-    return bool(_OOM_LINE.search(text) or _XLA_OOM.search(text))
+    return oom_info_of_text(text) is not None or bool(_XLA_OOM.search(text))
 
 
 def limits_for(allocator: str) -> tuple[int | None, str, int | None, str]:
@@ -344,7 +327,7 @@ def limits_for(allocator: str) -> tuple[int | None, str, int | None, str]:
         view = driver_view(physical_gpus())
         memory = view.by_gpu.get(device.physical_index)
         if memory is not None:
-            capacity, capacity_source = memory.total, "card"
+            capacity, capacity_source = memory.total_bytes, "card"
     except Exception:
         pass
     return limit.bytes, limit.source, capacity, capacity_source

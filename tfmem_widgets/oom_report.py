@@ -22,7 +22,13 @@ SHORTAGE = "shortage"
 LIMIT = "limit"
 UNEXPLAINED = "not explained by the dump"
 
-_XLA_OOM = re.compile(r"Out of memory while trying to allocate (\d+) bytes")
+# XLA's own words: "Out of memory while trying to allocate 1.56GiB." (an H200) or "... 123 bytes"
+_XLA_OOM = re.compile(r"Out of memory while trying to allocate ([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)\b")
+_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inconsistent: measured with TensorFlow "
+                 "2.21 on an H200 and in lab mode, the process aborts later, when tensors are freed "
+                 "(bfc_allocator.cc 'Check failed'), so this kernel will die; keep what you need now, restart, "
+                 "and run fits near the limit with %%tfmem fresh")
 _LIMIT_SOURCES_CAPPED = ("lab mode", "logical device limit", "memory fraction")
 
 
@@ -207,8 +213,11 @@ class OomReport:
             lines += [f"    note: {n}" for n in self.anatomy.notes]
         if self.dump_path:
             lines.append(f"  TensorFlow's dump: {self.dump_path}")
-        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  note: {n}" for n in self._all_notes()]
         return lines
+
+    def _all_notes(self) -> tuple[str, ...]:
+        return (*self.notes, XLA_AFTER_OOM) if self.xla else self.notes
 
     def __repr__(self) -> str:
         return "\n".join(self.lines())
@@ -238,7 +247,7 @@ class OomReport:
         if self.anatomy is not None and len(self.anatomy):
             parts.append("<b>in use by layer</b><pre>" + escape("\n".join(self.anatomy.lines(top=8))) + "</pre>")
             parts += [f"<i>{escape(n)}</i><br>" for n in self.anatomy.notes]
-        parts += [f"<i>note: {escape(n)}</i><br>" for n in self.notes]
+        parts += [f"<i>note: {escape(n)}</i><br>" for n in self._all_notes()]
         return "".join(parts) + "</div>"
 
 
@@ -282,7 +291,7 @@ def failed_request(text: str) -> tuple[str | None, int | None, str, bool]:
     found = _XLA_OOM.search(text)
     if found:
         line = text[found.start():].splitlines()[0]
-        return None, rounded(int(found.group(1))), line, True
+        return None, rounded(int(float(found.group(1)) * _UNITS[found.group(2)])), line, True
     return None, None, (text.strip().splitlines() or [""])[0][:300], False
 
 

@@ -243,3 +243,20 @@ def test_lab_mode_hazards_are_said_before_the_cell_runs_once_each():
     out = finish_fresh(start_fresh(HAZARDS))["err"]
     assert out.count("aborts the whole process") == 1 and "%%tfmem fresh" in out
     assert out.count("segmentation fault") == 1
+
+
+def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell):
+    import tfmem_widgets
+    from IPython.core.error import UsageError
+    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.recorder import current
+
+    for bad in (0, 0.5, 4000, "5", True, float("nan")):
+        with pytest.raises(SetupError) as caught:
+            tfmem_widgets.record(window=bad)
+        assert "\n" not in str(caught.value) and "between 1 and 3600" in str(caught.value)
+    for bad in ("0", "abc", "4000"):
+        with pytest.raises(UsageError) as caught:
+            shell.run_line_magic("tfmem", f"record --window {bad}")
+        assert "\n" not in str(caught.value) and "--window" in str(caught.value)
+    assert current() is None

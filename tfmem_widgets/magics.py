@@ -58,13 +58,17 @@ def _seconds(text: str) -> float:
 
 
 def _window(text: str) -> float:
+    """The recorder's window: its rule (check_window)."""
+    from .recorder import check_window
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and 1 <= value <= 3600):
-        raise argparse.ArgumentTypeError(f"expected seconds between 1 and 3600, got {text!r}")
-    return value
+    try:
+        return check_window(value)
+    except SetupError:
+        raise argparse.ArgumentTypeError(f"expected seconds between 1 and 3600, got {text!r}") from None
 
 
 def _fresh_timeout(text: str) -> float | None:

@@ -22,13 +22,18 @@ from .profiler import TRACE_LOCK, profiler_options, running_recorder, set_record
 
 _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50 ms
 
+def check_window(window) -> float:
+    """A window's length: seconds between 1 and 3600 (the magic's --window and the API)."""
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
+        raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
+    return float(window)
+
+
 class Recorder:
     """``tfmem_widgets.record()`` starts one; ``stop()`` ends it. One per process."""
 
     def __init__(self, window: float = 10.0):
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
-            raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
-        self.window = float(window)
+        self.window = check_window(window)
         self.live: dict[str, dict[int, tuple]] = {}  # allocator -> address -> (time, size, op)
         self.windows = 0
         self.events = 0

@@ -314,17 +314,24 @@ def _activities(plane, line, only=None):
     buf = np.frombuffer(b"".join([*events, _PADDING]), dtype=np.uint8)
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    n = len(events)
+    # Only the events whose metadata id (their first field) is one of the names wanted are walked.
+    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    first_id = np.zeros(len(events), dtype=np.uint64)
+    first_id[has_id] = _varints(buf, starts[has_id] + 1)[0]
+    wanted = np.array(sorted(names), dtype=np.uint64)
+    pick = np.nonzero(~has_id | np.isin(first_id, wanted))[0]
+    starts, ends = starts[pick], ends[pick]
+    n = len(pick)
     meta = np.zeros(n, dtype=np.uint64)
     offset = np.zeros(n, dtype=np.uint64)
     duration = np.zeros(n, dtype=np.uint64)
     for alive, field, wire, _pos, value, _size in _fields(buf, starts, ends):
         varint = wire == _WIRE_VARINT
         for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset), (_EVENT_DURATION_PS, duration)):
-            pick = varint & (field == number)
-            column[alive[pick]] = value[pick]
+            chosen = varint & (field == number)
+            column[alive[chosen]] = value[chosen]
     base = int(line.timestamp_ns) * 1000
-    keep = np.nonzero((duration > 0) & np.isin(meta, np.array(sorted(names), dtype=np.uint64)))[0]
+    keep = np.nonzero((duration > 0) & np.isin(meta, wanted))[0]
     found = [(base + int(offset[k]), base + int(offset[k]) + int(duration[k]), names[int(meta[k])])
              for k in keep.tolist()]
     found.sort()

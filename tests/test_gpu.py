@@ -379,4 +379,4 @@ def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits(
         proc.kill()
         _, said = proc.communicate()
     assert "tfmem: the allocator refused a request (GPU_0_bfc" in said
-    assert "refused again" in said and "--xla_gpu_autotune_level=0" in said
+    assert "still refused" in said and "--xla_gpu_autotune_level=0" in said

@@ -102,7 +102,7 @@ def cell_started() -> None:
 # it happens, not minutes later.
 
 REFUSAL_POLL_S = 1.0
-HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else
+HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
 AUTOTUNE_HINT = ("refused for this long without an error: if the cell runs an XLA program (jit_compile=True, Keras' "
                  "default on a GPU), its compiler's GEMM autotuner is trying kernels whose scratch memory does not "
                  "fit, 10 s a refusal, for minutes; interrupt the cell, then set XLA_FLAGS=--xla_gpu_autotune_level=0 "
@@ -120,7 +120,7 @@ class _RefusalWatch(threading.Thread):
         self.stop_event = threading.Event()
         self.refusals = 0  # dumps TensorFlow wrote: one when it refuses, one when its 10 s retry fails
         self.times: list[float] = []
-        self.hinted = False
+        self.said_after = 0  # the "still refused" lines said so far, one per HINT_AFTER_S
 
     def run(self) -> None:
         import sys
@@ -138,11 +138,14 @@ class _RefusalWatch(threading.Thread):
             if self.refusals == len(new):
                 line = (f"tfmem: the allocator refused a request ({_refusal_figures(new[-1])}); TensorFlow "
                         "waits 10 s for memory to be freed, then raises")
+            elif waited >= HINT_AFTER_S * (self.said_after + 1):
+                # A plain OOM raises 10 s after its refusal: only a longer wait is said again.
+                self.said_after += 1
+                line = f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
+                if self.said_after == 1:
+                    line += f"; {AUTOTUNE_HINT}"
             else:
-                line = f"tfmem: refused again ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
-            if waited >= HINT_AFTER_S and not self.hinted:
-                self.hinted = True
-                line += f"; {AUTOTUNE_HINT}"
+                continue
             print(line, file=sys.stderr, flush=True)
 
     def stop(self) -> None:

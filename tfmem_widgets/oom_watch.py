@@ -103,11 +103,11 @@ def cell_started() -> None:
 
 REFUSAL_POLL_S = 1.0
 HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
-AUTOTUNE_HINT = ("refused for this long without an error: if the cell runs an XLA program (jit_compile=True, Keras' "
-                 "default on a GPU), its compiler's GEMM autotuner is trying kernels whose scratch memory does not "
-                 "fit, 10 s a refusal, for minutes; interrupt the cell, then set XLA_FLAGS=--xla_gpu_autotune_level=0 "
-                 "before TensorFlow starts (measured on an H200: the same fit then trained), lower the batch, or "
-                 "compile with jit_compile=False")
+AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' default on a GPU): its compiler's "
+                 "GEMM autotuner is trying kernels whose scratch memory does not fit, 10 s a refusal, for minutes; "
+                 "interrupt the cell, then set XLA_FLAGS=--xla_gpu_autotune_level=0 before TensorFlow starts "
+                 "(measured on an H200: the same fit then trained), lower the batch, or compile with "
+                 "jit_compile=False")
 _refusals = None
 
 
@@ -121,37 +121,59 @@ class _RefusalWatch(threading.Thread):
         self.refusals = 0  # dumps TensorFlow wrote: one when it refuses, one when its 10 s retry fails
         self.times: list[float] = []
         self.said_after = 0  # the "still refused" lines said so far, one per HINT_AFTER_S
+        self.main_thread = threading.get_ident()  # the cell's thread
 
     def run(self) -> None:
+        while not self.stop_event.wait(REFUSAL_POLL_S):
+            self.poll()
+
+    def poll(self, final: bool = False) -> None:
+        """Say a first refusal, and, during an XLA fit, a wait that goes on (not at the cell's end)."""
         import sys
         import time
 
-        while not self.stop_event.wait(REFUSAL_POLL_S):
-            new = sorted(set(_dump_files(self.prefix)) - self.seen)
-            if not new:
-                continue
-            self.seen.update(new)
-            self.refusals += len(new)
-            now = time.time()
-            self.times.append(now)
-            waited = now - self.times[0]
-            if self.refusals == len(new):
-                line = (f"tfmem: the allocator refused a request ({_refusal_figures(new[-1])}); TensorFlow "
-                        "waits 10 s for memory to be freed, then raises")
-            elif waited >= HINT_AFTER_S * (self.said_after + 1):
-                # A plain OOM raises 10 s after its refusal: only a longer wait is said again.
-                self.said_after += 1
-                line = f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
-                if self.said_after == 1:
-                    line += f"; {AUTOTUNE_HINT}"
-            else:
-                continue
-            print(line, file=sys.stderr, flush=True)
+        new = sorted(set(_dump_files(self.prefix)) - self.seen)
+        if not new:
+            return
+        self.seen.update(new)
+        self.refusals += len(new)
+        now = time.time()
+        self.times.append(now)
+        waited = now - self.times[0]
+        if self.refusals == len(new):
+            line = (f"tfmem: the allocator refused a request ({_refusal_figures(new[-1])}); TensorFlow "
+                    "waits 10 s for memory to be freed, then raises")
+        elif not final and waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
+            # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes.
+            self.said_after += 1
+            line = f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
+            if self.said_after == 1:
+                line += f"; {AUTOTUNE_HINT}"
+        else:
+            return
+        print(line, file=sys.stderr, flush=True)
 
     def stop(self) -> None:
+        """Stop polling; a refusal not yet said is said now (a request beyond the limit can fail
+        and be caught within the poll's second: the cell's output is the same either way)."""
         self.stop_event.set()
         if self is not threading.current_thread():
             self.join(timeout=5)
+        self.poll(final=True)
+
+
+def _xla_fit_running(thread_id: int) -> bool:
+    """Whether the cell's thread is inside a Keras fit (or evaluate, predict) of a model whose step
+    is an XLA program: read from its Python frames, never from TensorFlow."""
+    import sys
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("fit", "evaluate", "predict") else None
+        if owner is not None and getattr(owner, "jit_compile", False) is True:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _refusal_figures(path: str) -> str:

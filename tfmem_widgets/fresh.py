@@ -31,8 +31,9 @@ from .runtime import SETUP_ENV_VARS
 # before its log level applies; they say nothing about the cell.
 _NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] "
                          r"|WARNING: All log messages before absl::InitializeLog\(\))")
-# What Python itself writes to stderr (a traceback, a warning): never taken for a log line's tail.
-_PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b)")
+# What Python itself writes to stderr (a traceback, a warning), and this package's own lines (a
+# refusal said while the cell waits): never taken for a log line's tail.
+_PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b|tfmem[: ])")
 # The child ends as soon as its results are written: a thread the cell left running, or a slow
 # exit of TensorFlow's, cannot hold the results back until the timeout.
 _CHILD = ("import os, sys\nfrom tfmem_widgets.fresh import _child_main\ncode = _child_main(sys.argv[1])\n"

@@ -130,7 +130,7 @@ def test_tensorflow_native_log_lines_are_dropped_and_python_text_kept():
         "2026-11-26 09:43:47.618479: W tensorflow/core/framework/op_kernel.cc:1857] OP_REQUIRES failed\n",
         "/work/x.py:3: UserWarning: look at this\n",
         "  warnings.warn('look at this')\n",
-        "W0000 00:00:1795728180.5 bfc_allocator.cc:513] ___****__****\n",
+        "W0000 00:00:1795728180.576190    4223 bfc_allocator.cc:513] ___****__****\n",
         "tfmem: the allocator refused a request (bfc_cpu_allocator_for_gpu: 256 B in use)\n",
     ]
     # the package's own line right after a native log line is the package's, not the log's tail

@@ -368,6 +368,9 @@ def _child_main(work: str) -> int:
     shell = InteractiveShell.instance(colors="nocolor")
     shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
     shell.run_line_magic("load_ext", "tfmem_widgets")
+    from . import oom_watch
+
+    oom_watch.say_refusals = False  # this process's stderr reaches the user only at its end
     outcome = shell.run_cell(job["code"], store_history=False)
     failure = outcome.error_before_exec or outcome.error_in_exec
     if failure is not None:

@@ -88,7 +88,7 @@ def cell_started() -> None:
     global _cell_dumps, _refusals
     _cell_dumps = set(_dump_files(watched_prefix()))
     _stop_refusals()
-    if watched_prefix():
+    if watched_prefix() and say_refusals:
         _refusals = _RefusalWatch(watched_prefix(), _cell_dumps)
         _refusals.start()
 
@@ -102,6 +102,7 @@ def cell_started() -> None:
 # it happens, not minutes later.
 
 REFUSAL_POLL_S = 1.0
+say_refusals = True  # off in a fresh process: its stderr is shown only when it ends, so a live notice says nothing
 HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
 AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' default on a GPU): its compiler's "
                  "GEMM autotuner is trying kernels whose scratch memory does not fit, 10 s a refusal, for minutes; "

@@ -350,7 +350,7 @@ def test_a_keras_fit_without_xla_that_runs_out_of_a_logical_device_limit_is_expl
     assert out["request"] > out["largest"]
     assert out["verdict"] == "limit" and out["capacity"] > 100 * 1024 * MiB   # the card has far more
     assert out["keys"][0] == "sequential/wider"
-    assert "OOM in GPU_0_bfc" in out["shown"] and "tfmem: the allocator refused a request (GPU_0_bfc" in out["said"]
+    assert "OOM in GPU_0_bfc" in out["shown"] and "tfmem: the allocator refused a request in this cell (GPU_0_bfc" in out["said"]
 
 
 def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits():
@@ -378,5 +378,5 @@ def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits(
     except subprocess.TimeoutExpired:
         proc.kill()
         _, said = proc.communicate()
-    assert "tfmem: the allocator refused a request (GPU_0_bfc" in said
+    assert "first: GPU_0_bfc" in said   # said while the cell still waits
     assert "still refused" in said and "--xla_gpu_autotune_level=0" in said

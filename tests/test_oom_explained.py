@@ -58,6 +58,8 @@ out.update(request=r.request_bytes, largest=r.largest_free_bytes, verdict=r.verd
            largest_free_theirs=max(c.size for c in dump.chunk if not c.in_use),
            dump_path=r.dump_path, watch_folder=watch_folder,
            user_files=sorted(glob.glob(user_dumps + "_*")))
+import threading
+out["watch_threads"] = [t.name for t in threading.enumerate() if t.name == "tfmem-refusals"]
 cell("%unload_ext tfmem_widgets")
 out["after_unload"] = os.environ.get("TF_BFC_MEMORY_DUMP")
 out["own_folder_left"] = os.path.exists(os.path.dirname(watch_folder)) if watch_folder else None
@@ -99,11 +101,13 @@ def test_an_oom_in_a_plain_cell_is_explained_with_tensorflows_own_dump(plain_cel
     assert out["after_unload"] is None and out["own_folder_left"] is False
 
 
-def test_a_refusal_is_said_while_the_cell_still_waits(plain_cells):
-    # TensorFlow waits 10 s after a refusal before the OOM is raised: the cell is told at once.
+def test_a_refusal_is_said_in_the_cell(plain_cells):
+    # TensorFlow waits 10 s after a refusal before the OOM is raised: the cell says what was refused.
     out = plain_cells["alternate"]
-    line = next(l for l in out["said"].splitlines() if l.startswith("tfmem: the allocator refused"))
+    line = next(l for l in out["said"].splitlines() if l.startswith("tfmem: the allocator refused a request in this cell"))
     assert "bfc_cpu_allocator_for_gpu: 24.00 MiB in use in a 62.00 MiB pool, largest free chunk 12.00 MiB" in line
+    assert out["said"].count("tfmem: the allocator refused") == 1
+    assert out["watch_threads"] == []  # the cell's watch ended with the cell
 
 
 def test_the_verdicts_follow_the_numbers(plain_cells):

@@ -122,6 +122,8 @@ class _RefusalWatch(threading.Thread):
         self.refusals = 0  # dumps TensorFlow wrote: one when it refuses, one when its 10 s retry fails
         self.times: list[float] = []
         self.said_after = 0  # the "still refused" lines said so far, one per HINT_AFTER_S
+        self.first: str | None = None  # the first refusal's figures
+        self.said_first = False
         self.main_thread = threading.get_ident()  # the cell's thread
 
     def run(self) -> None:
@@ -129,29 +131,36 @@ class _RefusalWatch(threading.Thread):
             self.poll()
 
     def poll(self, final: bool = False) -> None:
-        """Say a first refusal, and, during an XLA fit, a wait that goes on (not at the cell's end)."""
+        """Note new refusals; during an XLA fit say a wait that goes on; at the cell's end (final)
+        say the first refusal if nothing was said."""
         import sys
         import time
 
         new = sorted(set(_dump_files(self.prefix)) - self.seen)
-        if not new:
+        if not new and not (final and self.first is not None and not self.said_first):
             return
         self.seen.update(new)
         self.refusals += len(new)
         now = time.time()
         self.times.append(now)
         waited = now - self.times[0]
-        if self.refusals == len(new):
-            line = (f"tfmem: the allocator refused a request ({_refusal_figures(new[-1])}); TensorFlow "
-                    "waits 10 s for memory to be freed, then raises")
+        if self.first is None:
+            self.first = _refusal_figures(new[-1])
+        if final and not self.said_first:
+            # Said by the cell's own thread as it ends: the cell's output, the same in every run.
+            line = (f"tfmem: the allocator refused a request in this cell ({self.first}); TensorFlow "
+                    "waits 10 s for memory to be freed before it gives up")
         elif not final and waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
-            # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes.
+            # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes:
+            # that wait is said while it lasts.
             self.said_after += 1
-            line = f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet)"
+            line = (f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet; "
+                    f"first: {self.first})")
             if self.said_after == 1:
                 line += f"; {AUTOTUNE_HINT}"
         else:
             return
+        self.said_first = True
         print(line, file=sys.stderr, flush=True)
 
     def stop(self) -> None:
@@ -248,6 +257,7 @@ def cell_finished(result=None) -> OomReport | None:
     global _last
     from .profiler import TRACE_LOCK
 
+    _stop_refusals()  # the cell's watch ends with it (its first refusal said now)
     exc = getattr(result, "error_in_exec", None)
     if not is_oom(exc) or getattr(exc, "_tfmem_explained", False) or TRACE_LOCK.locked():
         return None  # a %%tfmem trace shows its own OOM map

@@ -5,7 +5,6 @@ extension loaded, as a notebook's kernel would run the cells; the processes run 
 (an OOM waits 10 s in TensorFlow's retry).
 """
 
-import json
 import os
 
 import pytest
@@ -101,13 +100,10 @@ def test_an_oom_in_a_plain_cell_is_explained_with_tensorflows_own_dump(plain_cel
     assert out["after_unload"] is None and out["own_folder_left"] is False
 
 
-def test_a_refusal_is_said_in_the_cell(plain_cells):
-    # TensorFlow waits 10 s after a refusal before the OOM is raised: the cell says what was refused.
+def test_no_watch_outlives_its_cell(plain_cells):
     out = plain_cells["alternate"]
-    line = next(l for l in out["said"].splitlines() if l.startswith("tfmem: the allocator refused a request in this cell"))
-    assert "bfc_cpu_allocator_for_gpu: 24.00 MiB in use in a 62.00 MiB pool, largest free chunk 12.00 MiB" in line
-    assert out["said"].count("tfmem: the allocator refused") == 1
     assert out["watch_threads"] == []  # the cell's watch ended with the cell
+    assert "tfmem: still refused" not in out["said"]  # no XLA fit here: a plain OOM's wait is not said
 
 
 def test_the_verdicts_follow_the_numbers(plain_cells):

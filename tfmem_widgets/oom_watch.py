@@ -146,11 +146,9 @@ class _RefusalWatch(threading.Thread):
         waited = now - self.times[0]
         if self.first is None:
             self.first = _refusal_figures(new[-1])
-        if final and not self.said_first:
-            # Said by the cell's own thread as it ends: the cell's output, the same in every run.
-            line = (f"tfmem: the allocator refused a request in this cell ({self.first}); TensorFlow "
-                    "waits 10 s for memory to be freed before it gives up")
-        elif not final and waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
+        if final:
+            return  # a refusal the cell got over (or raised on) is the report's, or nothing to say
+        if waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
             # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes:
             # that wait is said while it lasts.
             self.said_after += 1

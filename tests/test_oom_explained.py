@@ -260,3 +260,84 @@ def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell)
             shell.run_line_magic("tfmem", f"record --window {bad}")
         assert "\n" not in str(caught.value) and "--window" in str(caught.value)
     assert current() is None
+
+
+FRESH_OOMS = SHELL + """
+import tempfile
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 64")
+cell("import tensorflow as tf, tfmem_widgets")
+import tfmem_widgets
+ALTERNATE = '''import tensorflow as tf
+ts = [tf.fill((512 * 1024,), float(i)) for i in range(24)]
+del ts[::2]
+'''
+out = {}
+# 1. the child raises its OOM: its own shell explains it, the report comes back here
+result = cell("%%tfmem fresh --lab 64\\n" + ALTERNATE + "big = tf.zeros((4 << 20,))")
+r = tfmem_widgets.last_oom()
+out["raised"] = [type(result.error_in_exec).__name__, str(result.error_in_exec)]
+out["raised_report"] = [r.verdict, r.request_bytes, r.largest_free_bytes, r.in_use_bytes, r.limit_bytes,
+                        r.limit_source, r.dump_path]
+# 2. the child dies after its OOM (as an XLA program's OOM ends a process): its dump is read here
+cell("tfmem_widgets.oom_watch.remember(None)")
+said_before = len(said.getvalue())
+result = cell("%%tfmem fresh --lab 64\\n" + ALTERNATE + '''try:
+    big = tf.zeros((4 << 20,))
+except tf.errors.ResourceExhaustedError as error:
+    print(str(error).splitlines()[0])
+import os
+os.abort()''')
+r = tfmem_widgets.last_oom()
+out["died"] = str(result.error_in_exec)
+out["died_report"] = None if r is None else [r.verdict, r.request_bytes, r.largest_free_bytes, r.in_use_bytes,
+                                             r.limit_bytes, r.limit_source, list(r.notes), len(r.map.chunks)]
+# 3. a cell that sends its XLA work to a fresh process is not warned about it
+said_before = len(said.getvalue())
+cell("code = 'f = tf.function(lambda a: a, jit_compile=True)'\\n"
+     "tfmem_widgets.run_fresh('import tensorflow as tf\\\\n' + code, setup={'lab_mb': 64}, echo=False)")
+out["warned_for_fresh"] = said.getvalue()[said_before:]
+out["left"] = sorted(os.listdir(tempfile.gettempdir()))
+print(json.dumps(out))
+"""
+
+
+def test_an_oom_in_a_fresh_process_is_explained_here_even_when_it_kills_the_process(tmp_path):
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    out = finish_fresh(start_fresh(FRESH_OOMS, {"TMPDIR": str(own_tmp)}), timeout=300)
+    kind, message = out["raised"]
+    assert kind == "UsageError" and "last_oom()" in message and "\n" not in message
+    verdict, request, largest, in_use, limit, source, path = out["raised_report"]
+    # the child's own report: 12 tensors of 2 MiB kept (and a scalar), 16 MiB asked, 12 MiB the largest hole
+    assert (verdict, request, largest) == ("fragmentation", 16 << 20, 12 << 20)
+    assert 12 * (2 << 20) <= in_use < 12 * (2 << 20) + 4096
+    assert (limit, source, path) == (64 << 20, "lab mode", None)  # its dump went with its folder
+    assert "SIGABRT" in out["died"] and "last_oom()" in out["died"]
+    verdict, request, largest, in_use, limit, source, notes, chunks = out["died_report"]
+    assert (verdict, request, largest) == ("fragmentation", 16 << 20, 12 << 20)
+    assert 12 * (2 << 20) <= in_use < 12 * (2 << 20) + 4096
+    assert (limit, source) == (64 << 20, "lab mode") and chunks > 12
+    assert any("killed by SIGABRT" in n and "dump" in n for n in notes)
+    assert out["warned_for_fresh"] == ""
+    # the children's dumps went with their folders, the killed one's too; the kernel's own folder is there
+    # while the extension is loaded
+    assert not [name for name in out["left"] if name.startswith("tfmem-fresh-")]
+    assert len([name for name in out["left"] if name.startswith("tfmem-oom-")]) == 1
+
+
+def test_a_compiled_steps_oom_names_its_step_and_node_and_on_a_cpu_says_what_varies():
+    from tfmem_widgets.allocator_map import AllocatorMap
+    from tfmem_widgets.oom_report import CPU_STEP_NOTE, report_from_dump
+
+    text = ("Graph execution error:\n\nOOM when allocating tensor with shape[8192,4096] and type float on "
+            "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu\n"
+            "\t [[{{node sequential_1/wider_1/BiasAdd}}]]\n [Op:__inference_multi_step_on_iterator_1189]")
+    empty = AllocatorMap("bfc_cpu_allocator_for_gpu", (), (), "dump")
+    cpu = report_from_dump(empty, "OOM when allocating ...", 8192 * 4096 * 4, text=text)
+    assert (cpu.step, cpu.node) == ("multi_step_on_iterator", "sequential_1/wider_1/BiasAdd")
+    assert "(compiled step multi_step_on_iterator, node sequential_1/wider_1/BiasAdd)" in repr(cpu).splitlines()[0]
+    assert repr(cpu).splitlines()[-1] == f"  note: {CPU_STEP_NOTE}"  # last: what is above it varies
+    gpu = report_from_dump(AllocatorMap("GPU_0_bfc", (), (), "dump"), "OOM ...", 1 << 20, text=text)
+    eager = report_from_dump(empty, "OOM ...", 1 << 20, text="OOM when allocating tensor ... [Op:Fill]")
+    assert CPU_STEP_NOTE not in repr(gpu) and CPU_STEP_NOTE not in repr(eager) and eager.step is None

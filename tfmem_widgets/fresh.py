@@ -195,15 +195,22 @@ def run_fresh(
         raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
     timeout = _check_timeout(timeout)
     setup = _check_request(setup, env)
+    from .oom_watch import DUMP_ENV, _dump_files
+
     with tempfile.TemporaryDirectory(prefix="tfmem-fresh-") as work:
         work_dir = Path(work)
         # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
         (work_dir / "job.pickle").write_bytes(pickle.dumps(
             {"code": code, "setup": setup, "returns": list(returns)}))
+        environment = child_environment(env, path)
+        # The child's OOM dumps land in this call's folder (gone with it, even when the child is
+        # killed before its exit handlers run), unless the user chose a place of their own.
+        environment.setdefault(DUMP_ENV, str(work_dir / "dump"))
+        dumps_before = set(_dump_files(environment[DUMP_ENV]))
         with open(work_dir / "stderr.txt", "w+b") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=stderr, env=child_environment(env, path),
+                stdout=subprocess.PIPE, stderr=stderr, env=environment,
                 start_new_session=True,  # its own process group: a timeout kills what it started too
             )
             try:
@@ -213,7 +220,8 @@ def run_fresh(
                 proc.wait()
                 proc.stdout.close()
             stderr.seek(0)
-            errors = without_native_logs(stderr.read().decode(errors="replace").splitlines(keepends=True))
+            raw_errors = stderr.read().decode(errors="replace")
+            errors = without_native_logs(raw_errors.splitlines(keepends=True))
         if errors and echo:
             sys.stderr.write(errors)
         result_file = work_dir / "result.json"
@@ -225,11 +233,103 @@ def run_fresh(
                 why = f"ran past {timeout:g} s and was stopped, with every process it started"
             elif "error" in result:
                 why = f"raised {result['error']}"
+            elif proc.returncode < 0:
+                why = f"was killed by {_signal_name(-proc.returncode)}"
             else:
                 why = f"ended with exit code {proc.returncode}"
-            raise FreshRunError(f"the fresh process {why}; its output is above.")
+            oom = None if timed_out else _oom_of_child(
+                work_dir, environment[DUMP_ENV], dumps_before, output + raw_errors, setup, why,
+                died="error" not in result)
+            if oom is not None:
+                from .oom_watch import remember
+
+                remember(oom)
+                why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
+                        " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
+            error = FreshRunError(f"the fresh process {why}; its output is above.")
+            error.oom = oom
+            error.oom_shown = "error" in result  # the child's own shell showed its report
+            raise error
         values = {name: _decode(name, work_dir) for name in result["values"]}
         return FreshRun(proc.returncode, output, values, errors)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setup: Mapping | None, how: str,
+                  died: bool):
+    """The OOM a failed child met: the report its own shell made (with its limits and Keras
+    layers), or, when it died before making one, TensorFlow's dump it left, read here."""
+    from .oom_report import failed_request, report_from_dump
+
+    made = work_dir / "oom.value"
+    if made.exists():
+        try:
+            report = pickle.loads(made.read_bytes())
+        except Exception:
+            report = None
+        if report is not None:
+            return _without_gone_path(report, work_dir)
+    if not died:
+        return None  # it raised something else: a refusal it got over is no OOM
+    from .oom_watch import _dump_files
+
+    new = [p for p in _dump_files(prefix) if p not in before]
+    if not new:
+        return None
+    from .bfc_dump import load_memory_dump
+    from .errors import TraceDataError
+
+    allocator, request, line, xla = failed_request(text)
+    path = ([p for p in new if allocator and os.path.basename(p).startswith(f"dump_{allocator}.")] or new)[-1]
+    try:
+        dump = load_memory_dump(path)
+    except TraceDataError:
+        return None
+    if request is None:
+        line = f"TensorFlow's dump of {dump.allocator}"
+    limit, source = _limit_of_setup(setup, dump.allocator)
+    report = report_from_dump(dump, line, request, xla=xla, dump_path=path, text=text, notes=(
+        f"the fresh process {how} before it could explain this OOM: TensorFlow's dump of it is read here, "
+        "without its Keras variables",))
+    from dataclasses import replace
+
+    if limit is not None:
+        report = replace(report, limit_bytes=limit, limit_source=source)
+    return _without_gone_path(report, work_dir)
+
+
+def _without_gone_path(report, work_dir: Path):
+    """A dump in the call's own folder is removed with it: the report does not point there."""
+    from dataclasses import replace
+
+    if report.dump_path and Path(report.dump_path).resolve().is_relative_to(work_dir.resolve()):
+        return replace(report, dump_path=None)
+    return report
+
+
+def _limit_of_setup(setup: Mapping | None, allocator: str) -> tuple[int | None, str]:
+    """The limit the child's setup gave the allocator a dump is of (a dump does not carry it)."""
+    from .runtime import LAB_ALLOCATOR_NAME
+    from .units import MiB
+
+    setup = setup or {}
+    if allocator == LAB_ALLOCATOR_NAME and setup.get("lab_mb"):
+        return setup["lab_mb"] * MiB, "lab mode"
+    found = re.fullmatch(r"GPU_(\d+)_bfc", allocator)
+    limit = setup.get("limit_mb")
+    if found and limit is not None and not setup.get("split"):
+        mb = limit.get(int(found.group(1))) if isinstance(limit, Mapping) else limit
+        if mb:
+            return mb * MiB, "logical device limit"
+    return None, "unknown"
 
 
 def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[str, bool]:
@@ -368,12 +468,19 @@ def _child_main(work: str) -> int:
     shell = InteractiveShell.instance(colors="nocolor")
     shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
     shell.run_line_magic("load_ext", "tfmem_widgets")
-    from . import oom_watch
+    from . import hazards, oom_watch
 
     oom_watch.say_refusals = False  # this process's stderr reaches the user only at its end
+    hazards.in_fresh_process = True
     outcome = shell.run_cell(job["code"], store_history=False)
     failure = outcome.error_before_exec or outcome.error_in_exec
     if failure is not None:
+        report = oom_watch.last_oom()
+        if report is not None:  # explained here, where its limits and Keras layers are known
+            try:
+                (work_dir / "oom.value").write_bytes(_Pickler.dumps(report))
+            except Exception:
+                pass
         result_file.write_text(json.dumps({"error": type(failure).__name__}))
         return 1
     for name in job["returns"]:

@@ -19,7 +19,9 @@ from .runtime import lab_setting, onednn_enabled, setup_env
 _XLA_IN_CELL = re.compile(r"jit_compile\s*=\s*(True|['\"]auto['\"]|1)\b|experimental_compile\s*=\s*True")
 _KERAS_WORK = re.compile(r"\.fit\s*\(|\.train_on_batch\s*\(|\.evaluate\s*\(|\.predict\s*\(|tf\.function|"
                          r"@function\b|keras\.")
+_FRESH_CALL = re.compile(r"\brun_fresh\s*\(")
 _said: set[str] = set()
+in_fresh_process = False  # a %%tfmem fresh child: what kills it is explained by the kernel that started it
 
 XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory aborts the whole process "
               "(TensorFlow's bfc_allocator.cc:711 check fails while freeing a buffer), so a kernel running it "
@@ -57,8 +59,8 @@ def hazards_for(cell: str) -> list[str]:
 
 def warn_before_cell(cell: str) -> None:
     """pre_run_cell: each hazard said once per session, before the first cell that meets it."""
-    if cell.lstrip().startswith("%%tfmem fresh"):
-        return  # that cell already runs in its own process
+    if in_fresh_process or cell.lstrip().startswith("%%tfmem fresh") or _FRESH_CALL.search(cell):
+        return  # that cell already runs its work in a process of its own
     for line in hazards_for(cell):
         if line in _said:
             continue

@@ -329,6 +329,10 @@ class TfmemMagics(Magics):
             run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=returns,
                             timeout=args.timeout, path=args.path)
         except (SetupError, FreshRunError) as exc:
+            if getattr(exc, "oom", None) is not None and not exc.oom_shown:
+                from IPython.display import display
+
+                display(exc.oom)  # a child killed by its OOM: TensorFlow's dump of it, read here
             raise UsageError(f"%%tfmem fresh: {exc}") from None
         self.shell.user_ns.update(run.values)
 

@@ -29,6 +29,14 @@ XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inco
                  "2.21 on an H200 and in lab mode, the process aborts later, when tensors are freed "
                  "(bfc_allocator.cc 'Check failed'), so this kernel will die; keep what you need now, restart, "
                  "and run fits near the limit with %%tfmem fresh")
+# A compiled step's OOM on a CPU (lab mode): its kernels' scratch buffers come from the same
+# allocator, sized by the processor's caches, and its ops run on several threads in an order
+# that differs between runs.
+CPU_STEP_NOTE = ("a compiled step on a CPU: its kernels' scratch buffers (sized by this processor's caches) and "
+                 "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "
+                 "these differ between runs and CPUs; the request and the variables' bytes do not")
+_STEP = re.compile(r"\[Op:__inference_(\w+?)_\d+\]")
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
 _LIMIT_SOURCES_CAPPED = ("lab mode", "logical device limit", "memory fraction")
 
 
@@ -58,6 +66,8 @@ class OomReport:
     xla: bool = False
     anatomy: object | None = None  # LayerAnatomy, taken at the failure (the variables then alive)
     notes: tuple[str, ...] = field(default=())
+    step: str | None = None  # the compiled function the OOM came from ("multi_step_on_iterator": Keras' train step)
+    node: str | None = None  # its op that asked ("sequential_1/wider_1/BiasAdd")
 
     # -- figures -----------------------------------------------------------------------
     # Figures of the allocator's state at the failure (None without a dump).
@@ -153,10 +163,16 @@ class OomReport:
             return out
         need = self.map.in_use_bytes + self.request_bytes
         if verdict == FRAGMENTATION:
-            out.append(f"start from an empty pool: in a new process {format_bytes(self.map.in_use_bytes)} in use "
+            out.append(f"if earlier work left these holes (an earlier fit or cell, tensors since freed), start from "
+                       f"an empty pool: in a new process {format_bytes(self.map.in_use_bytes)} in use "
                        f"+ {format_bytes(self.request_bytes)} = {format_bytes(need)} fits the "
                        f"{format_bytes(self.limit_bytes)} limit (the pool is never given back: restart the kernel "
                        "and run the setup again, or run the cell with %%tfmem fresh)")
+            if self.step:
+                out.append(f"if this step made the holes itself, a new process makes them again: a smaller batch "
+                           f"shrinks the request ({format_bytes(self.request_bytes)}) toward the largest hole "
+                           f"({format_bytes(self.largest_free_bytes)}); gradient accumulation keeps the effective "
+                           "batch (workbook notebook 4)")
             out.append("make the large, long-lived tensors first (model and optimizer before the data, buffers "
                        "reused instead of re-created): small chunks kept between them are what splits the pool")
             if self.allocator.startswith("GPU"):
@@ -189,8 +205,16 @@ class OomReport:
         return self.anatomy
 
     # -- text and rich ------------------------------------------------------------------
+    def _where(self) -> str:
+        parts = ["an XLA program"] if self.xla else []
+        if self.step:
+            parts.append(f"compiled step {self.step}")
+        if self.node and not self.xla:  # an XLA program's node is the call of the whole program
+            parts.append(f"node {self.node}")
+        return f" ({', '.join(parts)})" if parts else ""
+
     def lines(self) -> list[str]:
-        lines = [f"OOM in {self.allocator}{' (an XLA program)' if self.xla else ''}: {self.message}"]
+        lines = [f"OOM in {self.allocator}{self._where()}: {self.message}"]
         if self.map is not None:
             lines.append(
                 f"  request {format_bytes(self.request_bytes)} vs largest free chunk "
@@ -217,7 +241,10 @@ class OomReport:
         return lines
 
     def _all_notes(self) -> tuple[str, ...]:
-        return (*self.notes, XLA_AFTER_OOM) if self.xla else self.notes
+        notes = (*self.notes, XLA_AFTER_OOM) if self.xla else self.notes
+        if self.step and self.map is not None and "cpu" in self.allocator.lower():
+            notes = (*notes, CPU_STEP_NOTE)  # said last: what is above it varies
+        return notes
 
     def __repr__(self) -> str:
         return "\n".join(self.lines())
@@ -228,7 +255,7 @@ class OomReport:
     def _repr_html_(self) -> str:
         color = {FRAGMENTATION: "#b36b00", SHORTAGE: "#b00", LIMIT: "#6a1b9a"}.get(self.verdict, "#555")
         parts = [f"<div class='tfmem-oom'><b>OOM in {escape(self.allocator)}</b>"
-                 f"{' (an XLA program)' if self.xla else ''}: <code>{escape(self.message)}</code>"]
+                 f"{escape(self._where())}: <code>{escape(self.message)}</code>"]
         if self.map is not None:
             rows = [("request", format_bytes(self.request_bytes)),
                     ("largest free chunk", format_bytes(self.largest_free_bytes)),
@@ -282,6 +309,12 @@ def _svg_map(report: OomReport, width: int = 640) -> str:
 
 
 # -- building a report ----------------------------------------------------------------------
+
+def step_of(text: str) -> tuple[str | None, str | None]:
+    """(compiled function, node) an error's text names: '[Op:__inference_NAME_N]', '[[{{node X}}]]'."""
+    step, node = _STEP.search(text), _NODE.search(text)
+    return (step.group(1) if step else None), (node.group(1) if node else None)
+
 
 def failed_request(text: str) -> tuple[str | None, int | None, str, bool]:
     """(allocator, request bytes, TensorFlow's line, from XLA) from an error's text or a log."""
@@ -344,9 +377,10 @@ def limits_for(allocator: str) -> tuple[int | None, str, int | None, str]:
 
 def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, xla: bool = False,
                      dump_path: str | None = None, live: bool = False, namespace: dict | None = None,
-                     notes=()) -> OomReport:
+                     notes=(), text: str = "") -> OomReport:
     """An OomReport for a dump. live: the dump is of this process's allocator, so its limit is
-    read from this process and the Keras variables of the namespace name their chunks."""
+    read from this process and the Keras variables of the namespace name their chunks. text: the
+    error's whole text (the compiled step and node it names)."""
     limit, source, capacity, capacity_source = (None, "unknown", None, "")
     if dump.limit_bytes is not None:
         limit, source = dump.limit_bytes, "the allocator's log"
@@ -373,8 +407,9 @@ def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, x
         from dataclasses import replace
 
         amap = replace(dump, failed_request_bytes=request)
+    step, node = step_of(text)
     return OomReport(dump.allocator, message, request, amap, limit, source, capacity, capacity_source,
-                     dump_path, xla, anatomy, tuple(notes))
+                     dump_path, xla, anatomy, tuple(notes), step, node)
 
 
 def _dump_time_ns(path: str | None) -> int | None:
@@ -393,7 +428,8 @@ def explain_text(text: str) -> OomReport:
                          notes=("the text holds no allocator dump (the 'Next region of size' lines TensorFlow "
                                 "logs at an OOM): paste the whole log",))
     dump = parse_bfc_dump(text)
-    return report_from_dump(dump, line, request if request is not None else dump.failed_request_bytes, xla=xla)
+    return report_from_dump(dump, line, request if request is not None else dump.failed_request_bytes, xla=xla,
+                            text=text)
 
 
 def explain_path(path: str | os.PathLike) -> OomReport:

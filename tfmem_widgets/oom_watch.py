@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .errors import SetupError
 from .oom_report import (OomReport, explain_path, explain_text, failed_request, is_oom,
-                         report_from_dump)
+                         report_from_dump, step_of)
 
 DUMP_ENV = "TF_BFC_MEMORY_DUMP"
 
@@ -227,6 +227,7 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
 
     text = str(exc)
     allocator, request, line, xla = failed_request(text)
+    step, node = step_of(text)
     prefix = watched_prefix()
     candidates = [p for p in _dump_files(prefix, allocator) if new_since is None or p not in new_since]
     notes = []
@@ -237,17 +238,18 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
                "tfmem_widgets.watch_oom()) before the run makes TensorFlow write one"
                if not prefix else "TensorFlow wrote no allocator dump for it (an allocator other than BFC, "
                "or the failure was not the allocator's)")
-        return OomReport(allocator or "unknown", line, request, None, xla=xla, notes=(why, *notes))
+        return OomReport(allocator or "unknown", line, request, None, xla=xla, notes=(why, *notes), step=step,
+                         node=node)
     path = candidates[-1]
     try:
         dump = load_memory_dump(path)
     except TraceDataError as error:
         return OomReport(allocator or "unknown", line, request, None, xla=xla,
-                         notes=(f"TensorFlow's dump could not be read: {error}", *notes))
+                         notes=(f"TensorFlow's dump could not be read: {error}", *notes), step=step, node=node)
     if prefix == _prefix:
         _tidy_own_folder(keep=path)
     return report_from_dump(dump, line, request, xla=xla, dump_path=path, live=True, namespace=namespace,
-                            notes=notes)
+                            notes=notes, text=text)
 
 
 def cell_finished(result=None) -> OomReport | None:

@@ -16,6 +16,7 @@ import json
 import pickle
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -197,7 +198,10 @@ def run_fresh(
     setup = _check_request(setup, env)
     from .oom_watch import DUMP_ENV, _dump_files
 
-    with tempfile.TemporaryDirectory(prefix="tfmem-fresh-") as work:
+    # mkdtemp, then try at once: an interrupt between the two cannot leave the folder (a
+    # TemporaryDirectory interrupted in its __enter__ is removed only when collected).
+    work = tempfile.mkdtemp(prefix="tfmem-fresh-")
+    try:
         work_dir = Path(work)
         # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
         (work_dir / "job.pickle").write_bytes(pickle.dumps(
@@ -249,9 +253,12 @@ def run_fresh(
             error = FreshRunError(f"the fresh process {why}; its output is above.")
             error.oom = oom
             error.oom_shown = "error" in result  # the child's own shell showed its report
+            error.timed_out = timed_out
             raise error
         values = {name: _decode(name, work_dir) for name in result["values"]}
         return FreshRun(proc.returncode, output, values, errors)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _signal_name(number: int) -> str:

@@ -15,6 +15,7 @@ After %load_ext, an OOM in any cell is explained under its traceback (last_oom()
 """
 
 from .allocator_map import AllocatorMap, Chunk, Region
+from .batch_search import BatchSearch, Probe, max_batch_size
 from .bfc_dump import load_memory_dump, parse_bfc_dump
 from .device_setup import SetupResult, setup
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
@@ -39,6 +40,9 @@ __all__ = [
     "load_memory_dump",
     "parse_bfc_dump",
     "trace",
+    "BatchSearch",
+    "Probe",
+    "max_batch_size",
     "FreshRun",
     "FreshRunError",
     "NvmlUnavailable",

@@ -184,10 +184,38 @@ def _parsers():
                        help="names the cell defines, brought back into this kernel (repeatable)")
     fresh.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
                        help="stop the process (and what it started) after S seconds (default 600; none: no limit)")
-    return line, cell, fresh
+    batch = MagicArgumentParser(
+        prog="%%tfmem batch",
+        description="The largest batch the cell's build_model() trains with: the cell defines build_model() "
+                    "(a compiled Keras model) and make_batch(n) (one batch (x, y) of n examples); each probe "
+                    "runs in a new process set up with these options.",
+    )
+    batch.add_argument("mode", choices=["batch"])
+    _add_setup_arguments(batch)
+    batch.add_argument("--low", type=_count, action=_Once, default=1, metavar="N", help="the smallest batch (default 1)")
+    batch.add_argument("--high", type=_count, action=_Once, default=65536, metavar="N",
+                       help="the largest batch (default 65536)")
+    batch.add_argument("--steps", type=_count, action=_Once, default=2, metavar="K",
+                       help="train steps a probe runs (default 2)")
+    batch.add_argument("--margin", type=_fraction, action=_Once, default=0.0, metavar="F",
+                       help="the fraction of the limit the recommended batch leaves free (default 0)")
+    batch.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
+                       help="stop a probe (and what it started) after S seconds (default 600)")
+    batch.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the BatchSearch in NAME")
+    return line, cell, fresh, batch
 
 
-_LINE_PARSER, _CELL_PARSER, _FRESH_PARSER = _parsers()
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}")
+    return value
+
+
+_LINE_PARSER, _CELL_PARSER, _FRESH_PARSER, _BATCH_PARSER = _parsers()
 _SETUP_OPTIONS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
 
 
@@ -202,7 +230,8 @@ def _parse(parser: MagicArgumentParser, text: str):
         args.__dict__.pop("_given", None)
         return args
     except UsageError as exc:
-        magic = {id(_LINE_PARSER): "%tfmem", id(_FRESH_PARSER): "%%tfmem fresh"}.get(id(parser), "%%tfmem")
+        magic = {id(_LINE_PARSER): "%tfmem", id(_FRESH_PARSER): "%%tfmem fresh",
+                 id(_BATCH_PARSER): "%%tfmem batch"}.get(id(parser), "%%tfmem")
         raise UsageError(f"{magic}: {exc}. See %tfmem? for the options.") from None
 
 
@@ -257,6 +286,8 @@ class TfmemMagics(Magics):
     def _cell(self, line: str, cell: str):
         if line.split(maxsplit=1)[:1] == ["fresh"]:
             return self._fresh(_parse(_FRESH_PARSER, line), cell)
+        if line.split(maxsplit=1)[:1] == ["batch"]:
+            return self._batch(_parse(_BATCH_PARSER, line), cell)
         args = _parse(_CELL_PARSER, line)
         if args.variable is not None and not args.variable.isidentifier():
             raise UsageError(f"%%tfmem: -v needs a Python name, got {args.variable!r}.")
@@ -337,6 +368,35 @@ class TfmemMagics(Magics):
         self.shell.user_ns.update(run.values)
 
 
+    def _batch(self, args, cell: str):
+        from .batch_search import max_batch_size
+
+        if args.variable is not None and not args.variable.isidentifier():
+            raise UsageError(f"%%tfmem batch: -v needs a Python name, got {args.variable!r}.")
+        # The cell's functions are made in a namespace of their own (sent by value to each probe);
+        # the kernel's names are readable from it, none is changed.
+        namespace = dict(self.shell.user_ns)
+        namespace["__name__"] = "__main__"
+        try:
+            exec(compile(cell, "<%%tfmem batch>", "exec"), namespace)
+        except Exception as exc:
+            raise UsageError(f"%%tfmem batch: the cell raised {type(exc).__name__}: {exc}") from None
+        missing = [name for name in ("build_model", "make_batch") if not callable(namespace.get(name))]
+        if missing:
+            raise UsageError(f"%%tfmem batch: the cell must define {' and '.join(missing)}(): build_model() returns "
+                             "a compiled Keras model, make_batch(n) one batch (x, y) of n examples.")
+        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        try:
+            search = max_batch_size(namespace["build_model"], namespace["make_batch"], setup=options or None,
+                                    low=args.low, high=args.high, steps=args.steps, margin=args.margin,
+                                    probe_timeout=args.timeout)
+        except SetupError as exc:
+            raise UsageError(f"%%tfmem batch: {str(exc).removeprefix('max_batch_size: ')}") from None
+        if args.variable:
+            self.shell.user_ns[args.variable] = search
+        return search
+
+
 def _help() -> str:
     return (
         "TensorFlow memory from a notebook.\n\n"
@@ -352,6 +412,9 @@ def _help() -> str:
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
         "                        every allocation of the cell: memory map, peak by op, OOM dump\n"
+        "%%tfmem batch [setup options] [--low N] [--high N] [--steps K] [--margin F] [-v NAME]\n"
+        "                        the largest batch the cell's build_model() trains with (make_batch(n)),\n"
+        "                        each probe in a new process\n"
         "%%tfmem fresh [setup options] [--env NAME=VALUE] [--path DIR] [-r NAME,NAME] [--timeout S]\n"
         "                        run the cell in a new process set up this way; bring NAMEs back\n\n"
         + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()

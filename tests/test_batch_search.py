@@ -1,0 +1,138 @@
+"""What will fit: the largest batch, found in fresh lab-mode processes (issue: what will fit).
+
+The searches run real Keras models in real processes; the functions are defined inside each
+test, as in a notebook, so they travel by value.
+"""
+
+import time
+
+import psutil
+import pytest
+
+import tfmem_widgets
+from tfmem_widgets.batch_search import BatchSearch, Probe
+from tfmem_widgets.errors import SetupError
+
+MiB = 1 << 20
+
+
+def _model_and_batches(width=1024, jit=False):
+    def build_model():
+        import keras
+
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(width, activation="relu"),
+                                  keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+        model.compile("adam", "mse", jit_compile=jit)
+        return model
+
+    def make_batch(n):
+        import numpy as np
+
+        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+
+    return build_model, make_batch
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
+    build_model, make_batch = _model_and_batches()
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
+                                          progress=False)
+    assert len(search.probes) <= 12
+    largest, failure = search.largest, search.first_failure
+    assert largest is not None and failure is not None and largest < failure
+    assert failure - largest <= max(1, -(-largest * search.resolution // 1))  # the edge within the resolution
+    trained = next(p for p in search.probes if p.batch == largest)
+    assert trained.fits and 0 < trained.peak_bytes <= 128 * MiB  # the allocator's exact peak, under the limit
+    assert (search.limit_bytes, search.limit_source) == (128 * MiB, "lab mode")
+    assert all(p.verdict in ("fragmentation", "shortage", "limit") for p in search.failed)
+    assert search.recommended == largest  # no margin asked
+    text = repr(search)
+    assert f"largest batch that trained: {largest:,}" in text and "lab mode 128 MB, CPU kernels" in text
+    assert not _children()
+
+
+def test_the_probes_say_what_they_show():
+    # A search's figures from its probes (no process): the edge, the line, a margin, non-monotone.
+    probes = [Probe(1, 30 * MiB, 1.0), Probe(1000, 50 * MiB, 1.0), Probe(4000, None, 2.0, "limit", 8 * MiB),
+              Probe(2000, 70 * MiB, 1.0), Probe(3000, None, 2.0, "fragmentation", 6 * MiB),
+              Probe(3500, 100 * MiB, 1.0)]
+    search = BatchSearch(probes, 1, 8192, 2, 0.1, 0.02, limit_bytes=128 * MiB, limit_source="lab mode",
+                         where="lab mode 128 MB")
+    assert (search.largest, search.first_failure) == (3500, 4000)
+    assert search.not_monotone == [(3000, 3500)] and not search.monotone
+    fixed, per_example = search.peak_model()
+    assert per_example > 0 and search.needs_bytes(2000) == int(fixed + per_example * 2000)
+    # with a 10% margin: the largest batch whose line stays under 90% of the limit, never above the largest
+    assert search.recommended == min(search.batch_for(int(128 * MiB * 0.9)), 3500)
+    text = repr(search)
+    assert "warning: not monotone: 3,500 trained although 3,000 ran out of memory" in text
+    assert "recommended with a margin of 10% of the limit" in text
+
+
+def test_bad_input_is_one_line_and_starts_nothing():
+    build_model, make_batch = _model_and_batches()
+    for kwargs, words in (({"low": 8, "high": 4}, "low (8) is above high (4)"),
+                          ({"margin": 1.5}, "margin must be"), ({"steps": 0}, "steps must be"),
+                          ({"setup": {"lab": 64}}, "unknown setup option"), ({"progress": "yes"}, "progress must")):
+        with pytest.raises(SetupError) as caught:
+            tfmem_widgets.max_batch_size(build_model, make_batch, **kwargs)
+        assert words in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(SetupError) as caught:
+        tfmem_widgets.max_batch_size("model", make_batch)
+    assert "build_model must be a function" in str(caught.value)
+    assert not _children()
+
+
+def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_line_each():
+    build_model, make_batch = _model_and_batches()
+
+    def raising_model():
+        raise ValueError("no such layer")
+
+    def short_batch(n):
+        import numpy as np
+
+        return np.ones((max(1, n // 2), 512), "float32"), np.ones((max(1, n // 2), 1), "float32")
+
+    def hanging_model():
+        import time as clock
+
+        clock.sleep(600)
+
+    big_model, _ = _model_and_batches(width=4096)   # 64 MiB of kernel: more than the 48 MB lab
+    wide_model, _ = _model_and_batches(width=1536)  # it is built; with Adam's slots and gradients a step is not
+    cases = [
+        (dict(build_model=raising_model, make_batch=make_batch), "build_model() raised ValueError: no such layer"),
+        (dict(build_model=build_model, make_batch=short_batch, low=8),
+         "make_batch(8) returned 4 examples (x of shape (4, 512)); it must return exactly 8"),
+        (dict(build_model=big_model, make_batch=make_batch), "the model alone does not fit"),
+        (dict(build_model=wide_model, make_batch=make_batch), "a batch of 1 does not fit"),
+        (dict(build_model=hanging_model, make_batch=make_batch, probe_timeout=20), "ran past 20 s and was stopped"),
+    ]
+    for kwargs, words in cases:
+        started = time.monotonic()
+        with pytest.raises(SetupError) as caught:
+            tfmem_widgets.max_batch_size(setup={"lab_mb": 48}, progress=False, **kwargs)
+        assert words in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+        assert time.monotonic() - started < 120
+        assert not _children()  # no probe process left behind
+
+
+def test_the_batch_magic_needs_both_functions_and_changes_no_name(shell):
+    from IPython.core.error import UsageError
+
+    shell.user_ns.pop("build_model", None)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("tfmem", "batch --lab 64", "def build_model():\n    return None\n")
+    assert "must define make_batch()" in str(caught.value) and "\n" not in str(caught.value)
+    assert "build_model" not in shell.user_ns  # the cell ran in a namespace of its own
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("tfmem", "batch --low 9 --high 3", "def build_model(): pass\ndef make_batch(n): pass\n")
+    assert "low (9) is above high (3)" in str(caught.value)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("tfmem", "batch --margin 2", "def build_model(): pass\n")
+    assert "--margin" in str(caught.value)

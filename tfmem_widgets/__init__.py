@@ -76,6 +76,10 @@ def __getattr__(name):
         from . import widgets
 
         return getattr(widgets, name)
+    if name == "keras":  # MemoryCallback: imports Keras, so only when asked for
+        import importlib
+
+        return importlib.import_module(".keras", __name__)
     raise AttributeError(f"module 'tfmem_widgets' has no attribute {name!r}")
 
 

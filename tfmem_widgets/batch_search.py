@@ -402,7 +402,8 @@ def _next_batch(search: BatchSearch, checked_above: set[int]) -> int | None:
 def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], Any], *,
                    setup: Mapping[str, Any] | None = None, low: int = 1, high: int = 65536, steps: int = 2,
                    margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
-                   max_probes: int = 16, progress: str | bool | None = None) -> BatchSearch:
+                   max_probes: int = 16, progress: str | bool | None = None,
+                   env: Mapping[str, str] | None = None) -> BatchSearch:
     """The largest batch `build_model()`'s model trains with, each probe in a fresh process.
 
     build_model: returns a compiled Keras model (XLA as you compile it).
@@ -414,6 +415,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     resolution:  the search stops when the edge is known within this fraction of the batch.
     probe_timeout: seconds before a probe, and every process it started, is stopped.
     progress:    None: a bar in a notebook, a line per probe elsewhere; "lines"; False: silent.
+    env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}:
+                 on a GPU, XLA's GEMM autotuner makes an XLA step past the edge wait (refused scratch,
+                 10 s a refusal) for minutes instead of raising.
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
@@ -432,7 +436,8 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     if resolution == 0:
         raise SetupError("max_batch_size: resolution must be above 0 (a fraction of the batch, e.g. 0.01).")
     timeout = _check_timeout(probe_timeout)
-    setup = _check_request(setup, None)
+    setup = _check_request(setup, env)
+    env = {str(k): str(v) for k, v in (env or {}).items()}
     if progress not in (None, False, "lines", "bar"):
         raise SetupError(f"max_batch_size: progress must be None, False, 'lines' or 'bar', got {progress!r}.")
     try:
@@ -455,7 +460,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         try:
             while batch is not None and len(search.probes) < max_probes:
                 bar.probing(len(search.probes) + 1, batch)
-                probe = _probe(run_fresh, FreshRunError, path, batch, steps, setup, timeout, search)
+                probe = _probe(run_fresh, FreshRunError, path, batch, steps, setup, env, timeout, search)
                 search.probes.append(probe)
                 bar.probed(len(search.probes), probe)
                 if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
@@ -480,11 +485,12 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     return search
 
 
-def _probe(run_fresh, FreshRunError, path: Path, batch: int, steps: int, setup, timeout, search: BatchSearch) -> Probe:
+def _probe(run_fresh, FreshRunError, path: Path, batch: int, steps: int, setup, env, timeout,
+           search: BatchSearch) -> Probe:
     started = time.perf_counter()
     code = _PROBE_CODE.format(path=str(path), batch=batch, steps=steps)
     try:
-        run = run_fresh(code, setup=setup, returns=["probe"], timeout=timeout, echo=False)
+        run = run_fresh(code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False)
     except FreshRunError as exc:
         seconds = time.perf_counter() - started
         oom = getattr(exc, "oom", None)

@@ -201,6 +201,8 @@ def _parsers():
                        help="the fraction of the limit the recommended batch leaves free (default 0)")
     batch.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
                        help="stop a probe (and what it started) after S seconds (default 600)")
+    batch.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
+                       help="an environment variable for every probe (repeatable)")
     batch.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the BatchSearch in NAME")
     return line, cell, fresh, batch
 
@@ -389,7 +391,7 @@ class TfmemMagics(Magics):
         try:
             search = max_batch_size(namespace["build_model"], namespace["make_batch"], setup=options or None,
                                     low=args.low, high=args.high, steps=args.steps, margin=args.margin,
-                                    probe_timeout=args.timeout)
+                                    probe_timeout=args.timeout, env=dict(args.env))
         except SetupError as exc:
             raise UsageError(f"%%tfmem batch: {str(exc).removeprefix('max_batch_size: ')}") from None
         if args.variable:

@@ -42,16 +42,21 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
                                           progress=False)
     assert len(search.probes) <= 12
-    largest, failure = search.largest, search.first_failure
-    assert largest is not None and failure is not None and largest < failure
-    assert failure - largest <= max(1, -(-largest * search.resolution // 1))  # the edge within the resolution
-    trained = next(p for p in search.probes if p.batch == largest)
+    safe, failure = search.edge  # where fitting was first lost: a batch that trained, a larger one that did not
+    assert safe is not None and failure is not None and safe < failure
+    assert failure - safe <= max(1, -(-safe * search.resolution // 1))  # within the resolution
+    trained = next(p for p in search.probes if p.batch == safe)
     assert trained.fits and 0 < trained.peak_bytes <= 128 * MiB  # the allocator's exact peak, under the limit
     assert (search.limit_bytes, search.limit_source) == (128 * MiB, "lab mode")
     assert all(p.verdict in ("fragmentation", "shortage", "limit") for p in search.failed)
-    assert search.recommended == largest  # no margin asked
+    assert search.recommended == safe  # no margin asked: below every failure
+    # one probe past the edge; if it trained, fitting is not monotone there and the search says so
+    past = max(p.batch for p in search.probes)
+    assert past > failure
+    if search.largest > failure:
+        assert not search.monotone and "warning: not monotone" in repr(search)
     text = repr(search)
-    assert f"largest batch that trained: {largest:,}" in text and "lab mode 128 MB, CPU kernels" in text
+    assert f"largest batch that trained: {search.largest:,}" in text and "lab mode 128 MB, CPU kernels" in text
     assert not _children()
 
 
@@ -62,12 +67,13 @@ def test_the_probes_say_what_they_show():
               Probe(3500, 100 * MiB, 1.0)]
     search = BatchSearch(probes, 1, 8192, 2, 0.1, 0.02, limit_bytes=128 * MiB, limit_source="lab mode",
                          where="lab mode 128 MB")
-    assert (search.largest, search.first_failure) == (3500, 4000)
+    assert (search.largest, search.first_failure, search.edge) == (3500, 4000, (2000, 3000))
     assert search.not_monotone == [(3000, 3500)] and not search.monotone
     fixed, per_example = search.peak_model()
     assert per_example > 0 and search.needs_bytes(2000) == int(fixed + per_example * 2000)
-    # with a 10% margin: the largest batch whose line stays under 90% of the limit, never above the largest
-    assert search.recommended == min(search.batch_for(int(128 * MiB * 0.9)), 3500)
+    # with a 10% margin: the largest batch whose line stays under 90% of the limit, never above the
+    # largest that trained below every failure
+    assert search.recommended == min(search.batch_for(int(128 * MiB * 0.9)), 2000)
     text = repr(search)
     assert "warning: not monotone: 3,500 trained although 3,000 ran out of memory" in text
     assert "recommended with a margin of 10% of the limit" in text

@@ -18,10 +18,10 @@ model.compile("adam", "mse", jit_compile=False)
 x = np.ones((2048, 256), "float32"); y = np.ones((2048, 1), "float32")
 kept = []
 
-class Leak(keras.callbacks.Callback):      # keeps 1 MiB more after every epoch, as a list of outputs would
+class Leak(keras.callbacks.Callback):      # keeps 4 MiB more after every epoch, as a list of outputs would
     def on_epoch_end(self, epoch, logs=None):
         if LEAK:
-            kept.append(tf.ones((1 << 18,)))
+            kept.append(tf.ones((1 << 20,)))
 
 said = io.StringIO()
 callback = MemoryCallback(per_batch=True)
@@ -74,7 +74,8 @@ def test_history_holds_each_epochs_peak_and_in_use_bytes(fits):
 def test_bytes_that_keep_rising_after_each_epoch_are_said_once(fits):
     out = fits["leak"]
     in_use = out["history"]["tfmem_in_use_bytes"]
-    assert all(b - a >= 1 << 20 for a, b in zip(in_use, in_use[1:]))  # 1 MiB kept each epoch
+    # 4 MiB kept each epoch; what else an epoch leaves (its iterator's buffers) moves the figure by less
+    assert all(b - a >= 3 << 20 for a, b in zip(in_use, in_use[1:])), in_use
     rising = [w for w in out["warnings"] if "after each of the last 4 epochs rose" in w]
     assert len(rising) == 1 and out["said"].count("after each of the last 4 epochs rose") == 1
 

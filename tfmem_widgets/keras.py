@@ -6,8 +6,8 @@
 callback listed after it writes them as scalars (with a default ``tf.summary`` writer the
 callback writes them itself). Each epoch is a ``measure()`` block, so it nests correctly with
 ``%%tfmem`` and other measurements. It warns once when the bytes in use after each epoch (or
-after each fit with the same callback) keep rising, and when a peak comes within 5% of the
-device's limit.
+after each fit with the same callback) keep rising, by 1 MiB or more each time, and when a peak
+comes within 5% of the device's limit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .measure import measure
 from .units import format_bytes
 
 PEAK_KEY, IN_USE_KEY = "tfmem_peak_bytes", "tfmem_in_use_bytes"
-RISES_TO_WARN = 3  # in-use figures rising this many times in a row
+RISES_TO_WARN = 3  # in-use figures rising this many times in a row,
+MIN_RISE = 1 << 20  # each by at least this much (Keras leaves a few hundred bytes more after some epochs)
 NEAR_LIMIT = 0.05
 
 
@@ -103,7 +104,7 @@ class MemoryCallback(keras.callbacks.Callback):
 
     def _rising(self, figures: list[int], what: str) -> None:
         tail = figures[-(RISES_TO_WARN + 1):]
-        if len(tail) == RISES_TO_WARN + 1 and all(b > a for a, b in zip(tail, tail[1:])):
+        if len(tail) == RISES_TO_WARN + 1 and all(b - a >= MIN_RISE for a, b in zip(tail, tail[1:])):
             self._say(f"rising-{what}", f"the bytes in use on {self.device} after each of the last {RISES_TO_WARN + 1} "
                                         f"{what}s rose: {' -> '.join(format_bytes(f) for f in tail)}: something keeps "
                                         f"tensors from one {what} to the next (a list of outputs or losses, a "

@@ -14,17 +14,10 @@ The time of a trace includes reading its events when the block ends.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
-from _workloads import keras_classifier
+from _workloads import run_keras_rounds
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CODE = """
 import json, statistics, tempfile, time, shutil
@@ -83,24 +76,11 @@ print(json.dumps({"bare_s": statistics.median(bares),
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--gpu", action="store_true", help="train on the GPU (no lab mode)")
-    args = parser.parse_args()
-    setup = keras_classifier(lab_mb=1024, width=256, rows=262144)
-    if args.gpu:
-        setup = setup.replace("tfmem_widgets.setup(lab_mb=1024)", "tfmem_widgets.setup(growth=True)")
-    code = setup + textwrap.dedent(CODE).replace("ROUNDS", str(args.rounds))
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"Keras fit, one epoch, {out['device']}: bare {out['bare_s']:.2f} s (median of {2 * args.rounds})")
+    out, rounds = run_keras_rounds(CODE, __doc__.splitlines()[0])
+    print(f"Keras fit, one epoch, {out['device']}: bare {out['bare_s']:.2f} s (median of {2 * rounds})")
     for name, ratio in out["ratios"].items():
-        print(f"  {name:<17} x{ratio:.2f}  (median of {args.rounds} rounds)")
+        print(f"  {name:<17} x{ratio:.2f}  (median of {rounds} rounds)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -102,3 +102,134 @@ def test_a_bad_device_fails_before_the_fit(lab_session):
     with pytest.raises(SetupError) as caught:
         MemoryCallback(device="GPU:7")
     assert "\n" not in str(caught.value)
+
+
+MIRRORED = """
+import json
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+import keras, numpy as np, tensorflow as tf
+from tfmem_widgets.keras import MemoryCallback
+from tfmem_widgets.widgets import Gauge
+
+gauge = Gauge(interval=600)   # no background reading: the marks come from the callback
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=False)
+x = np.ones((2048, 256), "float32"); y = np.ones((2048, 1), "float32")
+callback = MemoryCallback()
+history = model.fit(x, y, batch_size=256, epochs=3, verbose=0, callbacks=[callback])
+print(json.dumps({"history": {k: v for k, v in history.history.items() if k.startswith("tfmem")},
+                  "warnings": callback.warnings, "notes": callback.notes, "text": repr(callback),
+                  "marks": gauge.marks, "svg": gauge._spark.value, "gauge": repr(gauge)}))
+gauge.close()
+"""
+
+
+def test_mirrored_replicas_each_get_keys_and_lab_mode_says_their_allocator_is_shared():
+    from conftest import run_fresh
+
+    out = run_fresh(MIRRORED, timeout=300)
+    h = out["history"]
+    for replica in ("CPU:0", "CPU:1"):
+        assert len(h[f"tfmem_peak_bytes/{replica}"]) == len(h[f"tfmem_in_use_bytes/{replica}"]) == 3
+    # one allocator behind both logical CPUs: the same figures, the plain keys the highest of them
+    assert h["tfmem_peak_bytes/CPU:0"] == h["tfmem_peak_bytes/CPU:1"] == h["tfmem_peak_bytes"]
+    assert all(p > u for p, u in zip(h["tfmem_peak_bytes"], h["tfmem_in_use_bytes"]))
+    assert out["warnings"] == []  # no imbalance is told between replicas of one allocator
+    assert any("CPU:0 and CPU:1 share one allocator" in n for n in out["notes"])
+    assert "CPU:0 " in out["text"] and "CPU:1 " in out["text"]
+    # a running gauge got a mark at each epoch's end, on its sparkline and in its text
+    assert [label for _, label in out["marks"]] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert out["svg"].count('class="tfmem-mark"') == 3 and 'data-label="epoch 3"' in out["svg"]
+    assert "marked: epoch 1, epoch 2, epoch 3" in out["gauge"]
+
+
+WORKER = """
+import contextlib, io, json, os
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256)
+import keras, tensorflow as tf
+from tfmem_widgets.keras import MemoryCallback
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()   # two workers, from TF_CONFIG
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+with strategy.scope():
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.Adam()
+kept = []
+
+
+class Hold(keras.callbacks.Callback):   # worker 1 holds 16 MiB more during each epoch
+    def on_epoch_begin(self, epoch, logs=None):
+        if index == 1:
+            kept.append(tf.ones((4 << 20,)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        kept.clear()
+
+
+@tf.function
+def train_step(x, y):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    strategy.run(step, args=(x, y))
+
+
+# Keras 3's fit does not run under this strategy (keras#20585): a custom loop calls the hooks.
+data = strategy.experimental_distribute_dataset(
+    tf.data.Dataset.from_tensors((tf.ones((256, 256)), tf.ones((256, 1)))).repeat(4))
+gathered, own, history = MemoryCallback(), MemoryCallback(device="CPU:0"), keras.callbacks.History()
+callbacks = keras.callbacks.CallbackList([Hold(), gathered, own, history], model=model)
+said = io.StringIO()
+with contextlib.redirect_stderr(said):
+    callbacks.on_train_begin()
+    for epoch in range(2):
+        callbacks.on_epoch_begin(epoch)
+        for x, y in data:
+            train_step(x, y)
+        callbacks.on_epoch_end(epoch, {})
+    callbacks.on_train_end()
+print(json.dumps({"index": index, "history": {k: v for k, v in history.history.items() if k.startswith("tfmem")},
+                  "own": [e["tfmem_peak_bytes"] for e in own.epochs], "chief": gathered.chief,
+                  "highest": [e["tfmem_peak_bytes"] for e in gathered.epochs],
+                  "warnings": gathered.warnings, "said": said.getvalue()}))
+"""
+
+
+def test_workers_figures_are_gathered_with_the_strategys_collective_and_imbalance_is_said_once():
+    import json
+    import socket
+
+    from conftest import finish_fresh, start_fresh
+
+    def free_port():
+        with socket.socket() as probe:
+            probe.bind(("localhost", 0))
+            return probe.getsockname()[1]
+
+    cluster = {"worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    procs = [start_fresh(WORKER, {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                                             "task": {"type": "worker", "index": i}})})
+             for i in range(2)]
+    try:
+        chief, other = (finish_fresh(p, timeout=300) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()  # a worker left waiting for its peer does not outlive the test
+    assert chief["chief"] and not other["chief"]
+    for out in (chief, other):
+        h = out["history"]
+        # each worker's own reading of its device, as the other worker received it through the collective
+        assert h["tfmem_peak_bytes/worker0/CPU:0"] == chief["own"]
+        assert h["tfmem_peak_bytes/worker1/CPU:0"] == other["own"]
+        assert out["highest"] == [max(a, b) for a, b in zip(chief["own"], other["own"])]
+    # worker 1 held 16 MiB more (the two workers' steps differ by a few KiB)
+    assert all(b - a >= 15 << 20 for a, b in zip(chief["own"], other["own"]))
+    warning = [w for w in chief["warnings"] if "replicas' peaks differ" in w]
+    assert len(warning) == 1 and warning[0].index("worker1/CPU:0") < warning[0].index("worker0/CPU:0")
+    assert chief["said"].count("tfmem warning: the replicas' peaks differ") == 1
+    assert other["said"] == ""  # only the chief speaks

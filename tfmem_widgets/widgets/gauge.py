@@ -8,6 +8,7 @@ updates). Its text repr is the same figures as a line per device, for saved note
 from __future__ import annotations
 
 import threading
+from html import escape
 import weakref
 from collections import deque
 
@@ -29,14 +30,20 @@ def _bar(description: str, style: str = "") -> w.FloatProgress:
                            style={"description_width": "110px"}, layout=w.Layout(width="360px"))
 
 
-def _sparkline(values: list[int], width: int = 240, height: int = 36) -> str:
-    """In-use history as an inline SVG polyline (plain HTML: no custom JavaScript)."""
+def _sparkline(values: list[int], width: int = 240, height: int = 36,
+               marks: list[tuple[int, str]] = ()) -> str:
+    """In-use history as an inline SVG polyline (plain HTML: no custom JavaScript); marks
+    (position in `values`, label) are dashed vertical lines with the label as their tooltip."""
     if len(values) < 2:
         return f'<svg width="{width}" height="{height}"></svg>'
     top = max(values) or 1
     step = width / (len(values) - 1)
     points = " ".join(f"{k * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}" for k, v in enumerate(values))
-    return (f'<svg width="{width}" height="{height}" class="tfmem-sparkline">'
+    lines = "".join(
+        f'<line class="tfmem-mark" data-label="{escape(label)}" x1="{k * step:.1f}" x2="{k * step:.1f}" y1="0" '
+        f'y2="{height}" stroke="#888" stroke-dasharray="2,2"><title>{escape(label)}</title></line>'
+        for k, label in marks if 0 <= k < len(values))
+    return (f'<svg width="{width}" height="{height}" class="tfmem-sparkline">{lines}'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/></svg>')
 
 
@@ -74,6 +81,7 @@ class Gauge(FullTextForm, w.VBox):
         if self.__dict__.get("_token") is not None:
             with self._lock:
                 self._history.clear()
+                self._marks.clear()
             self.refresh()
 
     def __init__(self, interval: float = DEFAULT_INTERVAL, device: str | None = None, **kwargs):
@@ -90,6 +98,8 @@ class Gauge(FullTextForm, w.VBox):
         self.samples = 0
         self._rows: dict[str, dict[str, w.Widget]] = {}
         self._history: deque[int] = deque(maxlen=_HISTORY)
+        self._appended = 0  # readings ever added to the history: marks are placed by this count
+        self._marks: deque[tuple[int, str]] = deque(maxlen=_HISTORY)
         self._title = w.HTML("<b>TensorFlow memory</b>")
         self._status = w.HTML("")
         self._host = _bar("host (process)", "info")
@@ -124,6 +134,7 @@ class Gauge(FullTextForm, w.VBox):
             main = self._main_device(sample)
             if main is not None and main.in_use_bytes is not None:
                 self._history.append(main.in_use_bytes)
+                self._appended += 1
             # Every reading is kept; the page is updated at most twice a second, since each
             # update is a message the kernel sends while the user's cell runs.
             if show or sample.time - self._shown_at >= _SHOW_EVERY:
@@ -189,11 +200,33 @@ class Gauge(FullTextForm, w.VBox):
         if main is not None and len(self._history):
             if sample.time - self._spark_drawn >= _SPARK_EVERY or not self._spark_label.value:
                 self._spark_drawn = sample.time  # the sparkline, the largest message, at most 2 Hz
-                self._spark.value = _sparkline(list(self._history))
+                self._spark.value = _sparkline(list(self._history), marks=self._marks_in_view())
                 self._spark_label.value = f"{main.name} in use, recent readings"
             children.append(self._spark_line)
         if tuple(self.children) != tuple(children):
             self.children = children
+
+    def mark(self, label: str) -> None:
+        """A dashed line on the sparkline at the latest reading (MemoryCallback marks each epoch's
+        end), shown at once."""
+        self.refresh()  # a reading at the moment marked
+        with self._lock:
+            if self._token is None or not self._appended:
+                return
+            self._marks.append((self._appended - 1, str(label)))
+            self._spark_drawn = 0.0
+            if self._last is not None:
+                self._apply(self._last)
+
+    def _marks_in_view(self) -> list[tuple[int, str]]:
+        first = self._appended - len(self._history)  # the count of the oldest reading still shown
+        return [(at - first, label) for at, label in self._marks if at >= first]
+
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        """The marks still on the sparkline: (position among `readings`, label)."""
+        with self._lock:
+            return self._marks_in_view()
 
     @property
     def last_sample(self) -> Sample | None:
@@ -235,7 +268,11 @@ class Gauge(FullTextForm, w.VBox):
         if sample is None:
             return "<tfmem gauge>"
         head = f"tfmem gauge ({'running' if self.running else 'stopped'}, every {self.interval:g} s)"
-        return "\n".join([head] + ["  " + line for line in sample.lines(self.device)])
+        lines = [head] + ["  " + line for line in sample.lines(self.device)]
+        marks = self.marks
+        if marks:
+            lines.append("  marked: " + ", ".join(label for _, label in marks))
+        return "\n".join(lines)
 
 
 def refresh_all() -> None:
@@ -243,6 +280,14 @@ def refresh_all() -> None:
     for gauge in list(_live):
         if gauge.running:
             gauge.refresh()
+
+
+def mark_all(label: str) -> int:
+    """Mark every running gauge (an epoch's end); returns how many."""
+    gauges = running_gauges()
+    for gauge in gauges:
+        gauge.mark(label)
+    return len(gauges)
 
 
 def running_gauges() -> list["Gauge"]:

@@ -29,6 +29,11 @@ pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium'; .ci/run installs it)"
 )
 
+# A search's probes as max_batch_size records them: peaks on a line, one failure above.
+SEARCH_CODE = """BatchSearch([Probe(b, (10 << 20) + b * 20 * 1024, 5.0) for b in (256, 1024, 4096)]
+                     + [Probe(4608, None, 15.0, verdict="limit")], low=1, high=16384, steps=2, margin=0.05,
+                     resolution=0.02, limit_bytes=96 << 20, limit_source="lab mode", lab=True, where="lab mode 96 MB")"""
+
 CELLS = [
     "%load_ext tfmem_widgets\n%tfmem setup --lab 192",
     "%tfmem watch --interval 0.2",
@@ -53,6 +58,8 @@ with tf.device("CPU:0"):
     ts = [tf.zeros((1 << 21,)) for _ in range(20)]     # 8 MiB each
     ts = ts[1::2]                                       # free every other one
     too_big = tf.zeros((12 << 20,))                     # 48 MiB: no hole is that large""",
+    # The panel reading a batch search (the search itself is tested in test_batch_search.py).
+    "from tfmem_widgets.batch_search import BatchSearch, Probe\nsearch = " + SEARCH_CODE + "\n%tfmem panel --search search",
 ]
 
 
@@ -198,5 +205,28 @@ def test_panels_in_each_frontend(jupyterlab, frontend):
             assert "ended in an OOM" in viewer.inner_text()
             assert viewer.locator("svg.tfmem-map rect.tfmem-chunk").count() > 3
             viewer.screenshot(path=str(SHOTS / f"{prefix}map_viewer.png"))
+
+            # The panel with a batch search: a batch typed in shows the limit it needs; "set this limit" moves
+            # the lab slider there, and the batch that fits at the new limit follows.
+            from tfmem_widgets.batch_search import BatchSearch, Probe
+
+            search = eval(SEARCH_CODE, {"BatchSearch": BatchSearch, "Probe": Probe})  # the notebook's search
+            needed = -(-int(search.needs_bytes(8000) / (1 - search.margin)) // (1 << 20))
+            fits_at = search.batch_for(-(-needed // 16) * 16 << 20)
+            chooser = page.locator(".tfmem-setup-panel:has(.tfmem-fit-box)").first
+            chooser.wait_for(timeout=120_000)
+            chooser.scroll_into_view_if_needed()
+            assert chooser.locator(".tfmem-fit-box img").count() == 1
+            box = chooser.locator(".tfmem-fit-box input[type=number]").first
+            box.fill("8000")
+            box.press("Enter")
+            try:
+                page.wait_for_selector(f".tfmem-needed-mb[data-mb='{needed}']", timeout=30_000)
+                chooser.locator("button", has_text="set this limit").click()
+                page.wait_for_selector(f".tfmem-fits-batch[data-batch='{fits_at}']", timeout=30_000)
+            except Exception:
+                chooser.screenshot(path=str(SHOTS / f"{prefix}limit_chooser_failure.png"))
+                raise
+            chooser.screenshot(path=str(SHOTS / f"{prefix}limit_chooser.png"))
         finally:
             browser.close()

@@ -214,3 +214,59 @@ def test_the_map_viewers_allocator_is_a_trait(lab_session):
     with pytest.raises(SetupError, match="no events of allocator"):
         MapViewer(t, "GPU_7_bfc")
     del x
+
+
+def _search(lab: bool):
+    """A search's probes as max_batch_size records them (the search itself: test_batch_search.py):
+    peaks on a line of 10 MiB + 20 KiB per example, 4,096 trained, 4,608 ran out of memory under 96 MB."""
+    from tfmem_widgets.batch_search import BatchSearch, Probe
+
+    probes = [Probe(b, 10 * MiB + b * 20 * 1024, 5.0) for b in (256, 1024, 4096)]
+    probes.append(Probe(4608, None, 15.0, verdict="limit", request_bytes=8 * MiB))
+    return BatchSearch(probes, low=1, high=16384, steps=2, margin=0.05, resolution=0.02, limit_bytes=96 * MiB,
+                       limit_source="lab mode" if lab else "logical device limit", lab=lab,
+                       where="lab mode 96 MB" if lab else "as if on a card of 96 MB")
+
+
+def test_the_panel_reads_what_fits_at_the_chosen_limit_and_the_limit_a_batch_needs(lab_session):
+    search = _search(lab=True)
+    panel = SetupPanel(search=search)  # this process: lab mode, so the lab slider is the one read
+    assert panel.fit_box in panel.children
+    assert panel.batch.value == search.recommended
+    for mb in (96, 192):
+        panel.lab_mb.value = mb
+        shown = int(panel.fits.value.split("data-batch='")[1].split("'")[0])
+        assert shown == search.batch_for(mb * MiB)
+        assert search.needs_bytes(shown) <= mb * MiB < search.needs_bytes(shown + 1)
+    assert "extrapolated" in panel.fits.value  # 192 MB is above the 96 MB the probes ran under
+    assert panel.picture.value[:4] == b"\x89PNG"
+    panel.batch.value = 8000
+    needed = panel.needed_limit_mb()
+    assert needed == -(-int(search.needs_bytes(8000) / 0.95) // MiB)
+    assert f"data-mb='{needed}'" in panel.needs.value
+    panel.use_needed.click()  # the lab slider moves to the limit, rounded up to its 16 MB steps
+    assert panel.lab_mb.value == -(-needed // 16) * 16
+    assert "batch of 8,000 needs" in repr(panel)
+
+
+def test_a_gpu_panel_reads_its_limit_slider_and_says_when_a_search_ran_in_lab_mode():
+    panel = SetupPanel(state=_gpu_state(), search=_search(lab=False))
+    panel.limit.value = 96
+    assert "At a GPU limit of 96 MB" in panel.fits.value and "lab mode" not in panel.fits.value
+    panel.batch.value = 2000
+    panel.use_needed.click()
+    assert panel.use_limit.value and panel.limit.value == panel.needed_limit_mb()
+    assert "memory_limit=" in panel.code.value  # the chosen limit is what Apply would run
+    panel.search = _search(lab=True)
+    assert "ran in lab mode (CPU kernels)" in panel.fits.value
+    with pytest.raises(SetupError):
+        panel.search = "not a search"
+
+
+def test_panel_search_refuses_a_missing_or_wrong_variable_in_one_line(shell):
+    shell.user_ns["not_a_search"] = 3
+    for line, says in (("panel --search nowhere", "no variable 'nowhere'"),
+                       ("panel --search not_a_search", "got int")):
+        with pytest.raises(UsageError) as info:
+            shell.run_line_magic("tfmem", line)
+        assert says in str(info.value) and "\n" not in str(info.value)

@@ -75,6 +75,7 @@ class BatchSearch:
     where: str = ""
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
+    lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
 
     # -- what the probes show ------------------------------------------------------------
     @property
@@ -479,7 +480,8 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                          f"({type(exc).__name__}: {_first_line(exc)}); define them at the top level of a cell "
                          "or a module.") from None
 
-    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup))
+    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
+                         lab=bool((setup or {}).get("lab_mb")))
     bar = _Progress(progress, max_probes)
     past: list[int] = []
     work = tempfile.mkdtemp(prefix="tfmem-batch-")

@@ -140,7 +140,9 @@ def _parsers():
     watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
     watch.add_argument("--interval", type=_seconds, action=_Once, default=0.5, metavar="S", help="seconds between readings")
     watch.add_argument("-d", "--device", action=_Once, default=None, help="only this device (e.g. GPU:0)")
-    commands.add_parser("panel", help="the device setup panel")
+    panel = commands.add_parser("panel", help="the device setup panel")
+    panel.add_argument("--search", action=_Once, default=None, metavar="NAME",
+                       help="a variable holding a batch search: the panel shows what fits at the chosen limit")
     rec = commands.add_parser("record", help="record allocator events (host tracer only) so the next OOM names "
                                              "every chunk's op and layer (record stop: stop)")
     rec.add_argument("action", nargs="?", choices=["stop"], help="stop recording")
@@ -255,7 +257,13 @@ class TfmemMagics(Magics):
             if args.command == "panel":
                 from .widgets import SetupPanel
 
-                return SetupPanel()
+                search = None
+                if args.search is not None:
+                    if args.search not in self.shell.user_ns:
+                        raise SetupError(f"%tfmem panel --search: no variable {args.search!r} here; run "
+                                         "%%tfmem batch -v NAME (or max_batch_size) first.")
+                    search = self.shell.user_ns[args.search]
+                return SetupPanel(search=search)
             if args.command == "record":
                 from . import recorder
 
@@ -406,7 +414,7 @@ def _help() -> str:
         "%tfmem setup [options]  set devices up before TensorFlow's runtime starts\n"
         "%tfmem watch [--interval S] [-d DEV] | %tfmem watch stop\n"
         "                        a live gauge that moves while cells run\n"
-        "%tfmem panel            the device setup panel\n"
+        "%tfmem panel [--search NAME]  the device setup panel (with a batch search: what fits)\n"
         "%tfmem record [--window S] | %tfmem record stop\n"
         "                        record allocator events so the next OOM names each chunk's op and layer\n"
         "%tfmem oom              the last OOM's report (every OOM is explained in its cell)\n"

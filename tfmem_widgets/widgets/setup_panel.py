@@ -29,8 +29,10 @@ class SetupPanel(FullTextForm, w.VBox):
     >>> tfmem_widgets.SetupPanel()      # or %tfmem panel
     """
 
-    def __init__(self, state=None, **kwargs):
-        """state: the machine to plan for (a plan.DeviceState); by default this process's."""
+    def __init__(self, state=None, search=None, **kwargs):
+        """state: the machine to plan for (a plan.DeviceState); by default this process's.
+        search: a BatchSearch (max_batch_size's result): the panel then shows what fits at the
+        chosen limit, and the limit a batch needs."""
         super().__init__(**kwargs)
         self.add_class("tfmem-setup-panel")
         self._own_state = state is None  # this process's: read again once its runtime starts
@@ -74,18 +76,157 @@ class SetupPanel(FullTextForm, w.VBox):
         elif not totals:
             notes.append(f"The limit cannot be bounded by the card's size: {escape(self.state.nvml_note or '')}")
         self.note = w.HTML("<br>".join(notes))
-        self.children = [
-            w.HTML("<b>TensorFlow device setup</b>"), self.note, self.gpus, self.growth, self.force_growth,
-            w.HBox([self.use_limit, self.limit]), self.split, self.allocator, w.HBox([self.lab, self.lab_mb]),
-            self.message, self.code, self.apply_button, self.result,
-        ]
+        # What fits, from a batch search: beside the limit it reads.
+        self.fits = w.HTML()
+        self.fits.add_class("tfmem-fits")
+        self.batch = w.BoundedIntText(value=1, min=1, max=1 << 40, description="batch", style=style,
+                                      layout=w.Layout(width="260px"))
+        self.needs = w.HTML()
+        self.needs.add_class("tfmem-needs")
+        self.use_needed = w.Button(description="set this limit", icon="arrow-up")
+        self.picture = w.Image(format="png", layout=w.Layout(width="560px"))
+        self.fit_box = w.VBox([self.fits, w.HBox([self.batch, self.use_needed]), self.needs, self.picture])
+        self.fit_box.add_class("tfmem-fit-box")
+        self._limit_row = w.HBox([self.use_limit, self.limit])
+        self._lab_row = w.HBox([self.lab, self.lab_mb])
+        self._search = None
+        self._layout()
         for control in (self.gpus, self.growth, self.force_growth, self.use_limit, self.limit, self.split,
                         self.allocator, self.lab, self.lab_mb):
             control.observe(self._changed, names="value")
+        for control in (self.limit, self.lab_mb, self.lab, self.batch):
+            control.observe(self._fits_changed, names="value")
         self.apply_button.on_click(lambda _: self.apply())
+        self.use_needed.on_click(lambda _: self.set_needed_limit())
         self._changed()
+        if search is not None:
+            self.search = search
         if self._own_state:
             _live.add(self)
+
+    def _layout(self) -> None:
+        rows = [w.HTML("<b>TensorFlow device setup</b>"), self.note, self.gpus, self.growth, self.force_growth,
+                self._limit_row]
+        if self._search is not None and not self._reads_lab():
+            rows.append(self.fit_box)
+        rows += [self.split, self.allocator, self._lab_row]
+        if self._search is not None and self._reads_lab():
+            rows.append(self.fit_box)
+        self.children = rows + [self.message, self.code, self.apply_button, self.result]
+
+    # -- what fits, from a batch search ----------------------------------------------------
+    @property
+    def search(self):
+        """The BatchSearch the panel reads (None: none)."""
+        return self._search
+
+    @search.setter
+    def search(self, search) -> None:
+        from ..batch_search import BatchSearch
+
+        if search is not None and not isinstance(search, BatchSearch):
+            raise SetupError(f"search must be what max_batch_size returns (a BatchSearch), got "
+                             f"{type(search).__name__}.")
+        self._search = search
+        if search is not None:
+            start = search.recommended or search.largest or search.low
+            self.batch.value = max(1, int(start))
+        self._layout()
+        self._fits_changed()
+
+    def _reads_lab(self) -> bool:
+        """Which limit the search's figures go with: lab mode's (a lab search, or no GPU here)."""
+        return not self.state.gpus or bool(self._search is not None and self._search.lab)
+
+    def chosen_limit_bytes(self) -> int:
+        """The limit the panel's slider shows for the search: lab mode's, else the GPU limit's."""
+        return (self.lab_mb.value if self._reads_lab() else self.limit.value) * MiB
+
+    def needed_limit_mb(self) -> int | None:
+        """The limit (MB) the batch in the `batch` box needs by the search's line, with its margin."""
+        search = self._search
+        need = None if search is None else search.needs_bytes(self.batch.value)
+        if need is None:
+            return None
+        return -(-int(need / (1 - search.margin)) // MiB)
+
+    def set_needed_limit(self) -> None:
+        """Move the slider to the limit the chosen batch needs (lab mode's in steps of 16 MB)."""
+        needed = self.needed_limit_mb()
+        if needed is None:
+            return
+        if self._reads_lab():
+            self.lab.value = True
+            self.lab_mb.value = min(self.lab_mb.max, max(self.lab_mb.min, -(-needed // 16) * 16))
+        else:
+            self.use_limit.value = True
+            self.limit.value = min(self.limit.max, max(self.limit.min, needed))
+
+    def _fits_changed(self, change=None) -> None:
+        search = self._search
+        if search is None:
+            return
+        from ..units import format_bytes
+
+        limit = self.chosen_limit_bytes()
+        model = search.peak_model()
+        lines = []
+        kind = "lab limit" if self._reads_lab() else "GPU limit"
+        if model is None:
+            lines.append("The search has fewer than two batches that trained: no line to read other limits from.")
+        else:
+            batch = search.batch_for(limit)
+            text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
+                    f"data-batch='{batch}'>{batch:,}</b> (the line through the search's peaks: "
+                    f"{format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example)")
+            if search.margin:
+                kept = search.batch_for(int(limit * (1 - search.margin)))
+                text += f"; {kept:,} with a margin of {search.margin:.0%}"
+            lines.append(text + ".")
+            largest = search.edge[0]
+            if search.limit_bytes and largest:
+                need = search.needs_bytes(largest)
+                spare = limit - need
+                lines.append(f"Measured: {largest:,} trained under {format_bytes(search.limit_bytes)}; at this limit "
+                             f"it would leave {format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
+            if search.limit_bytes and limit > search.limit_bytes:
+                lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the line "
+                             "is extrapolated; search again at this limit to measure.")
+            if search.not_monotone:
+                lines.append("Near the edge fitting was not monotone: keep a margin.")
+        if search.lab and self.state.gpus:
+            lines.append("The search ran in lab mode (CPU kernels): a GPU's workspaces differ.")
+        elif not search.lab and not self.state.gpus:
+            lines.append("The search ran on a GPU; lab mode's CPU kernels need other figures.")
+        self.fits.value = "<br>".join(lines)
+        needed = self.needed_limit_mb()
+        if needed is None:
+            self.needs.value = ""
+            self.use_needed.disabled = True
+        else:
+            need = search.needs_bytes(self.batch.value)
+            self.needs.value = (f"A batch of {self.batch.value:,} needs about {format_bytes(need)}: a {kind} of at "
+                                f"least <b class='tfmem-needed-mb' data-mb='{needed}'>{needed:,} MB</b>"
+                                + (f" (with the margin of {search.margin:.0%})" if search.margin else "") + ".")
+            self.use_needed.disabled = False
+        self.picture.value = self._plot_png(limit)
+
+    def _plot_png(self, limit: int) -> bytes:
+        """The search's plot, the chosen batch and the chosen limit, as PNG bytes (no pyplot state)."""
+        import io
+
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 3.4), dpi=80)
+        ax = fig.subplots()
+        self._search.plot(ax=ax, pick=self.batch.value)
+        ax.axhline(limit / MiB, color="#ff7f0e", linestyle="--", linewidth=1, label=f"chosen limit {limit // MiB:,} MB")
+        ax.set_ylim(0, max(ax.get_ylim()[1], limit / MiB * 1.08))  # the chosen limit in view
+        ax.legend(loc="upper left", fontsize=7)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        return buffer.getvalue()
 
     def refresh(self) -> None:
         """Read the process's state again if its runtime started since (after each cell)."""
@@ -163,7 +304,12 @@ class SetupPanel(FullTextForm, w.VBox):
         return result
 
     def __repr__(self) -> str:
-        return "tfmem setup panel: " + _text(self.message.value)
+        text = "tfmem setup panel: " + _text(self.message.value)
+        if self._search is not None:
+            text += "\n" + "\n".join(_text(line) for line in self.fits.value.split("<br>"))
+            if self.needs.value:
+                text += "\n" + _text(self.needs.value)
+        return text
 
 
 def refresh_all() -> None:

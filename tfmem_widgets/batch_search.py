@@ -76,6 +76,28 @@ class BatchSearch:
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
+    _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
+
+    def probe(self, *batches: int) -> list[Probe]:
+        """More probes of the same functions and setup, each in a fresh process (a batch near the
+        edge, say); they join `probes`, so `largest`, `edge`, the plot and the warnings follow."""
+        if self._run is None:
+            raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
+        from .fresh import FreshRunError, run_fresh
+
+        batches = [_check_int("batch", b, 1) for b in batches]
+        functions, setup, env, timeout = self._run
+        done = []
+        work = tempfile.mkdtemp(prefix="tfmem-batch-")
+        try:
+            path = Path(work) / "functions.pickle"
+            path.write_bytes(functions)
+            for batch in batches:
+                done.append(_probe(run_fresh, FreshRunError, path, batch, self.steps, setup, env, timeout, self))
+                self.probes.append(done[-1])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return done
 
     # -- what the probes show ------------------------------------------------------------
     @property
@@ -481,7 +503,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                          "or a module.") from None
 
     search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
-                         lab=bool((setup or {}).get("lab_mb")))
+                         lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
     bar = _Progress(progress, max_probes)
     past: list[int] = []
     work = tempfile.mkdtemp(prefix="tfmem-batch-")

@@ -380,3 +380,44 @@ def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits(
         _, said = proc.communicate()
     assert "first: GPU_0_bfc" in said   # said while the cell still waits
     assert "still refused" in said and "--xla_gpu_autotune_level=0" in said
+
+
+def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_the_gauge():
+    out = fresh(
+        """
+        tfmem_widgets.setup(split=[1024, 1024])
+        import keras, numpy as np, tensorflow as tf
+        from tfmem_widgets.keras import MemoryCallback
+        from tfmem_widgets.widgets import Gauge
+
+        gauge = Gauge(interval=600)
+        # the cross-device reduction of notebook 5: every gradient summed on GPU:0
+        strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"],
+                                                  cross_device_ops=tf.distribute.ReductionToOneDevice())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, activation="relu"),
+                                      keras.layers.Dense(1)])
+            model.compile("adam", "mse", jit_compile=False)
+        x = np.ones((2048, 1024), "float32"); y = np.ones((2048, 1), "float32")
+        callback = MemoryCallback()
+        history = model.fit(x, y, batch_size=256, epochs=3, verbose=0, callbacks=[callback])
+        params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        print(json.dumps({"history": {k: v for k, v in history.history.items() if k.startswith("tfmem")},
+                          "params": params, "warnings": callback.warnings, "notes": callback.notes,
+                          "text": repr(callback), "marks": [label for _, label in gauge.marks]}))
+        gauge.close()
+        """
+    )
+    h = out["history"]
+    print(out["text"])
+    peaks = {r: h[f"tfmem_peak_bytes/{r}"] for r in ("GPU:0", "GPU:1")}
+    in_use = {r: h[f"tfmem_in_use_bytes/{r}"] for r in ("GPU:0", "GPU:1")}
+    for replica in peaks:
+        assert len(peaks[replica]) == 3 and all(p <= 1024 * MiB for p in peaks[replica])
+        # each logical GPU's own allocator holds its own copy of the weights (and Adam's slots)
+        assert all(u >= 3 * out["params"] for u in in_use[replica])
+    assert h["tfmem_peak_bytes"] == [max(a, b) for a, b in zip(peaks["GPU:0"], peaks["GPU:1"])]
+    assert out["notes"] == []  # no shared allocator here
+    differ = any(abs(a - b) >= 0.1 * max(a, b) for a, b in zip(peaks["GPU:0"], peaks["GPU:1"]))
+    assert differ == any("replicas' peaks differ" in w for w in out["warnings"])
+    assert out["marks"] == ["epoch 1", "epoch 2", "epoch 3"]

@@ -233,12 +233,18 @@ def test_the_panel_reads_what_fits_at_the_chosen_limit_and_the_limit_a_batch_nee
     panel = SetupPanel(search=search)  # this process: lab mode, so the lab slider is the one read
     assert panel.fit_box in panel.children
     assert panel.batch.value == search.recommended
-    for mb in (96, 192):
-        panel.lab_mb.value = mb
-        shown = int(panel.fits.value.split("data-batch='")[1].split("'")[0])
-        assert shown == search.batch_for(mb * MiB)
-        assert search.needs_bytes(shown) <= mb * MiB < search.needs_bytes(shown + 1)
-    assert "extrapolated" in panel.fits.value  # 192 MB is above the 96 MB the probes ran under
+    def shown():
+        return int(panel.fits.value.split("data-batch='")[1].split("'")[0])
+
+    panel.lab_mb.value = 96  # the search's own limit: the measured edge, not the line (4,403 there)
+    assert shown() == search.batch_for(96 * MiB) == 4096 and "measured: the largest below every failure" in panel.fits.value
+    assert "with a peak of 90.00 MiB; at this limit that leaves +6.00 MiB" in panel.fits.value
+    panel.lab_mb.value = 48  # under it: the line, never above what failed at 96 MB
+    assert shown() == search.batch_for(48 * MiB) == (48 - 10) * 1024 // 20
+    panel.lab_mb.value = 192  # above it: the line, extrapolated and said so
+    assert shown() == search.batch_for(192 * MiB)
+    assert search.needs_bytes(shown()) <= 192 * MiB < search.needs_bytes(shown() + 1)
+    assert "extrapolated" in panel.fits.value
     assert panel.picture.value[:4] == b"\x89PNG"
     panel.batch.value = 8000
     needed = panel.needed_limit_mb()

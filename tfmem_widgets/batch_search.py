@@ -165,7 +165,19 @@ class BatchSearch:
         return None if model is None else int(model[0] + model[1] * batch)
 
     def batch_for(self, limit_bytes: int) -> int | None:
-        """The largest batch whose predicted peak fits `limit_bytes` (None without a line)."""
+        """The largest batch whose predicted peak fits `limit_bytes` (None without a line), bounded
+        by what was measured: at the search's own limit the largest batch below every failure; under
+        it, never more (what failed there fails under less); above it, never less."""
+        line = self._line_batch(limit_bytes)
+        measured, failure = self.edge
+        if line is None or self.limit_bytes is None or measured is None:
+            return line
+        if limit_bytes >= self.limit_bytes:
+            return measured if (limit_bytes == self.limit_bytes and failure is not None) else max(line, measured)
+        return min(line, measured) if failure is not None else line
+
+    def _line_batch(self, limit_bytes: int) -> int | None:
+        """Where the line through the peaks meets `limit_bytes` (what the search aims at)."""
         model = self.peak_model()
         if model is None:
             return None
@@ -437,7 +449,7 @@ def _next_batch(search: BatchSearch, past: list[int]) -> int | None:
         if largest >= search.high:
             return None
         grow = largest * GROWTH
-        edge = search.batch_for(search.limit_bytes) if search.limit_bytes else None
+        edge = search._line_batch(search.limit_bytes) if search.limit_bytes else None
         if edge is not None:
             grow = min(grow, max(edge, math.ceil(largest * 1.25)))
         return min(search.high, max(grow, largest + 1))

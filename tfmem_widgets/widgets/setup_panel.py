@@ -176,19 +176,22 @@ class SetupPanel(FullTextForm, w.VBox):
             lines.append("The search has fewer than two batches that trained: no line to read other limits from.")
         else:
             batch = search.batch_for(limit)
+            how = ("measured: the largest below every failure" if limit == search.limit_bytes else
+                   f"the line through the search's peaks, {format_bytes(max(0, int(model[0])))} + "
+                   f"{format_bytes(int(model[1]))} per example, bounded by the batches measured")
             text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
-                    f"data-batch='{batch}'>{batch:,}</b> (the line through the search's peaks: "
-                    f"{format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example)")
+                    f"data-batch='{batch}'>{batch:,}</b> ({how})")
             if search.margin:
                 kept = search.batch_for(int(limit * (1 - search.margin)))
                 text += f"; {kept:,} with a margin of {search.margin:.0%}"
             lines.append(text + ".")
             largest = search.edge[0]
-            if search.limit_bytes and largest:
-                need = search.needs_bytes(largest)
-                spare = limit - need
-                lines.append(f"Measured: {largest:,} trained under {format_bytes(search.limit_bytes)}; at this limit "
-                             f"it would leave {format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
+            measured = next((p for p in search.fitted if p.batch == largest), None)
+            if search.limit_bytes and measured is not None:
+                spare = limit - measured.peak_bytes
+                lines.append(f"Measured: {largest:,} trained under {format_bytes(search.limit_bytes)} with a peak of "
+                             f"{format_bytes(measured.peak_bytes)}; at this limit that leaves "
+                             f"{format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
             if search.limit_bytes and limit > search.limit_bytes:
                 lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the line "
                              "is extrapolated; search again at this limit to measure.")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import SetupError
+from .text import LinesText
 from .units import MiB, format_bytes
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
@@ -60,8 +61,8 @@ class Probe:
         return self.peak_bytes is not None
 
 
-@dataclass
-class BatchSearch:
+@dataclass(repr=False)
+class BatchSearch(LinesText):
     """The probes of a search and what they show. See max_batch_size."""
 
     probes: list[Probe]
@@ -248,12 +249,6 @@ class BatchSearch:
             out.append(f"  note: {NUMPY_NOTE}")
         out += [f"  note: {n}" for n in self.notes]
         return out
-
-    def __repr__(self) -> str:
-        return "\n".join(self.lines())
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
 
     # -- picture -----------------------------------------------------------------------------
     def plot(self, ax=None, pick: int | None = None):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import keras
 
 from .measure import measure
+from .text import LinesText
 from .units import MiB, format_bytes
 
 PEAK_KEY, IN_USE_KEY = "tfmem_peak_bytes", "tfmem_in_use_bytes"
@@ -49,7 +50,7 @@ class ReplicaFigures:
     limit_source: str = "its worker's reading"
 
 
-class MemoryCallback(keras.callbacks.Callback):
+class MemoryCallback(LinesText, keras.callbacks.Callback):
     """The allocator's peak and in-use bytes per epoch (and per batch) in Keras' logs.
 
     device: the device to read ('GPU:0', 'CPU:0' in lab mode); None: the first GPU, else the CPU,
@@ -307,12 +308,6 @@ class MemoryCallback(keras.callbacks.Callback):
         out += [f"  warning: {w}" for w in self.warnings]
         out += [f"  note: {n}" for n in self.notes]
         return out
-
-    def __repr__(self) -> str:
-        return "\n".join(self.lines())
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
 
     def plot(self, ax=None):
         """Peak and in-use bytes per epoch (per replica under a strategy), with the limit."""

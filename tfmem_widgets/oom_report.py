@@ -15,6 +15,7 @@ from pathlib import Path
 from .allocator_map import AllocatorMap
 from .errors import TraceDataError
 from .oom import oom_info_of_text, rounded
+from .text import LinesText
 from .units import MiB, format_bytes
 
 FRAGMENTATION = "fragmentation"
@@ -44,8 +45,8 @@ def _of_map(name: str) -> property:
     return property(lambda self: None if self.map is None else getattr(self.map, name))
 
 
-@dataclass
-class OomReport:
+@dataclass(repr=False)
+class OomReport(LinesText):
     """What failed, what the allocator held, and why the request did not fit.
 
     map: the allocator's state at the failure (TensorFlow's dump, chunk for chunk).
@@ -245,12 +246,6 @@ class OomReport:
         if self.step and self.map is not None and "cpu" in self.allocator.lower():
             notes = (*notes, CPU_STEP_NOTE)  # said last: what is above it varies
         return notes
-
-    def __repr__(self) -> str:
-        return "\n".join(self.lines())
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
 
     def _repr_html_(self) -> str:
         color = {FRAGMENTATION: "#b36b00", SHORTAGE: "#b00", LIMIT: "#6a1b9a"}.get(self.verdict, "#555")

@@ -26,6 +26,7 @@ from .runtime import (
     setup_env_changed,
     tensorflow,
 )
+from .text import LinesText
 from .units import MiB, format_bytes
 
 
@@ -65,8 +66,8 @@ class GpuSection:
         return None if not limits or None in limits else sum(limits)
 
 
-@dataclass(frozen=True)
-class MemoryReport:
+@dataclass(frozen=True, repr=False)
+class MemoryReport(LinesText):
     tensorflow_version: str
     runtime_started: bool
     lab_limit_bytes: int | None
@@ -124,12 +125,6 @@ class MemoryReport:
             out.append(self.nvml_note)
         out += [f"note: {n}" for n in self.notes]
         return out
-
-    def __repr__(self) -> str:
-        return "\n".join(self.lines())
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
 
     def _repr_html_(self) -> str:
         rows = []

@@ -23,13 +23,19 @@ class Leak(keras.callbacks.Callback):      # keeps 4 MiB more after every epoch,
         if LEAK:
             kept.append(tf.ones((1 << 20,)))
 
+class Batches(keras.callbacks.Callback):   # what a later callback sees in each batch's logs
+    def on_train_batch_end(self, batch, logs=None):
+        batches.append(logs.get("tfmem_batch_peak_bytes"))
+
+batches = []
 said = io.StringIO()
 callback = MemoryCallback(per_batch=True)
 with contextlib.redirect_stderr(said):
     writer = tf.summary.create_file_writer(os.path.join(os.environ["WORK"], "logs"))
     with writer.as_default():
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[Leak(), callback])
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[Leak(), callback, Batches()])
     writer.flush()
+    first_fit_batches = list(batches)
     with tfmem_widgets.measure() as whole:
         again = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Leak(), callback])
 variables = sum(int(np.prod(v.shape)) * 4 for v in model.variables)
@@ -42,7 +48,8 @@ for path in events:
 print(json.dumps({"history": {k: v for k, v in history.history.items() if k.startswith("tfmem")},
                   "again": again.history.get("tfmem_peak_bytes"), "whole_peak": whole.highest_bytes,
                   "variables": variables, "warnings": callback.warnings, "said": said.getvalue(),
-                  "tags": sorted(tags), "limit": callback.limit()[0]}))
+                  "tags": sorted(tags), "limit": callback.limit()[0], "batches": first_fit_batches,
+                  "steps": len(x) // BATCH}))
 """
 
 
@@ -67,6 +74,11 @@ def test_history_holds_each_epochs_peak_and_in_use_bytes(fits):
     assert all(used >= out["variables"] for used in in_use)
     assert all(peak > used for peak, used in zip(peaks, in_use))
     assert out["again"] and out["whole_peak"] >= out["again"][0]  # an enclosing measure() still sees the peak
+    # per batch: the peak since the previous batch, folded into the epoch's (a batch's reset loses nothing)
+    steps, batches = out["steps"], out["batches"]
+    assert len(batches) == 3 * steps and all(isinstance(b, int) for b in batches)
+    for epoch, (peak, used) in enumerate(zip(peaks, in_use)):
+        assert used < max(batches[epoch * steps:(epoch + 1) * steps]) <= peak
     assert {"tfmem_peak_bytes", "tfmem_in_use_bytes"} <= set(out["tags"])  # the default writer got them
     # four epochs across two fits: what Keras leaves between epochs (a few hundred bytes) is no leak
     assert out["warnings"] == [] and out["said"] == ""

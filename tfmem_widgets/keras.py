@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import keras
 
-from .measure import measure
+from .measure import _reset_peak, measure
+from .readings import read_allocator
 from .text import LinesText
 from .units import MiB, format_bytes
 
@@ -75,8 +76,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         self.chief = True
         self._local = [(self.device, self.device)]  # (label, device read) per replica of this worker
         self._strategy = None  # set for a fit whose replicas span several workers
-        self._epoch: dict[str, measure] | None = None
-        self._batch: dict[str, measure] | None = None
+        self._epoch: dict[str, measure] | None = None  # the open blocks, one per allocator
         self._said: set[str] = set()
 
     # -- which devices ---------------------------------------------------------------------
@@ -127,23 +127,25 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = self._open()
 
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.per_batch:
-            self._batch = self._open()
-
     def on_train_batch_end(self, batch, logs=None):
-        if self._batch is None:
+        """Two allocator calls per device: the figures since the last reset (the previous batch's
+        end, or the epoch's start), then a reset that first folds the peak into the epoch's block
+        and any enclosing measurement."""
+        if not self.per_batch or self._epoch is None:
             return
-        blocks, self._batch = self._batch, None
-        self._close(blocks)
+        peaks, in_use = {}, {}
+        for key, block in self._epoch.items():
+            device = block.result.device
+            current, peak = read_allocator(device)
+            _reset_peak(device, max(peak, current))
+            peaks[key], in_use[key] = max(peak, current), current
         if logs is None:
             return
-        rows = self._rows(blocks)
-        logs["tfmem_batch_peak_bytes"] = max(r.peak_bytes for r in rows)
-        logs["tfmem_batch_in_use_bytes"] = max(r.in_use_bytes for r in rows)
-        if len(rows) > 1:
-            for r in rows:
-                logs[f"tfmem_batch_peak_bytes/{r.label}"] = r.peak_bytes
+        logs["tfmem_batch_peak_bytes"] = max(peaks.values())
+        logs["tfmem_batch_in_use_bytes"] = max(in_use.values())
+        if len(self._local) > 1:
+            for label, device in self._local:
+                logs[f"tfmem_batch_peak_bytes/{label}"] = peaks[self._allocator(device)]
 
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch is None:
@@ -175,9 +177,8 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
             mark_all(f"epoch {int(epoch) + 1}")
 
     def on_train_end(self, logs=None):
-        self._close(self._batch)  # a fit that stopped inside an epoch
-        self._close(self._epoch)
-        self._batch = self._epoch = None
+        self._close(self._epoch)  # a fit that stopped inside an epoch
+        self._epoch = None
         if self.epochs:
             self.fits_in_use.append(self.epochs[-1][IN_USE_KEY])
             self._rising(self.fits_in_use, "fit")

@@ -99,9 +99,9 @@ def test_a_peak_within_5_percent_of_the_limit_is_said_once(lab_session, capsys):
     limit, source = MemoryCallback().limit()  # this process: lab mode, 256 MB
     assert (limit, source) == (256 << 20, "lab mode")
     far, near = MemoryCallback(), MemoryCallback()
-    far._check(limit // 2)
-    near._check(int(limit * 0.96))
-    near._check(int(limit * 0.97))
+    far._check(limit // 2, limit, source)
+    near._check(int(limit * 0.96), limit, source)
+    near._check(int(limit * 0.97), limit, source)
     assert far.warnings == [] and len(near.warnings) == 1
     assert "within 5% of CPU:0's limit (256.00 MiB, lab mode)" in near.warnings[0]
     assert capsys.readouterr().err.count("tfmem warning:") == 1

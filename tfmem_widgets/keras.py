@@ -90,9 +90,10 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
 
         specs = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
         several = strategy.num_replicas_in_sync > len(specs)
-        self._local = [(f"worker{s.task or 0}/" if several else "") + f"{s.device_type}:{s.device_index or 0}"
-                       for s in specs]
-        self._local = [(label, label.rsplit("/", 1)[-1]) for label in self._local]
+        self._local = []
+        for spec in specs:
+            device = f"{spec.device_type}:{spec.device_index or 0}"
+            self._local.append((f"worker{spec.task or 0}/{device}" if several else device, device))
         if several:
             self._strategy = strategy
             self.chief = bool(getattr(strategy.extended, "should_checkpoint", True))
@@ -168,7 +169,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         if self.summaries and self.chief:
             self._summary(epoch, record)
         for r in rows:
-            self._check(r.peak_bytes, r.limit_bytes, r.label, r.limit_source)
+            self._check(r.peak_bytes, r.limit_bytes, r.limit_source, r.label)
         self._rising([e[IN_USE_KEY] for e in self.epochs], "epoch")
         self._balance(rows)
         if self.chief:
@@ -201,8 +202,8 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         strategy = self._strategy
         devices = strategy.extended.worker_devices
         numbers = []
-        for (label, device), r in zip(self._local, rows):
-            spec = tf.DeviceSpec.from_string(devices[len(numbers)])
+        for name, (_, device), r in zip(devices, self._local, rows):
+            spec = tf.DeviceSpec.from_string(name)
             kind, index = device.split(":")
             numbers.append([spec.task or 0, _TYPES.index(kind) if kind in _TYPES else len(_TYPES), int(index),
                             r.peak_bytes, r.in_use_bytes, -1 if r.limit_bytes is None else r.limit_bytes])
@@ -230,10 +231,8 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         return found.bytes, found.source
 
     # -- checks ----------------------------------------------------------------------------
-    def _check(self, peak: int, limit: int | None = None, label: str | None = None, source: str = "") -> None:
+    def _check(self, peak: int, limit: int | None, source: str, label: str | None = None) -> None:
         label = label or self.device
-        if limit is None and label == self.device:
-            limit, source = self.limit()
         if limit and peak >= (1 - NEAR_LIMIT) * limit:
             self._say(f"near-{label}", f"the peak of epoch {max(len(self.epochs), 1)} ({format_bytes(peak)}) is "
                                        f"within {NEAR_LIMIT:.0%} of {label}'s limit ({format_bytes(limit)}, "
@@ -265,8 +264,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
                                    "replica hold more")
 
     def _where(self) -> str:
-        labels = [label for label, _ in self._local]
-        return self.device if len(labels) < 2 and self._strategy is None else "the busiest replica"
+        return self.device if len(self._local) < 2 and self._strategy is None else "the busiest replica"
 
     def _note(self, text: str) -> None:
         if text not in self.notes:
@@ -300,7 +298,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         if not self.epochs:
             return ["tfmem memory callback: no epoch yet"]
         out = [f"tfmem memory per epoch ({len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}, "
-               f"{self._where() if self._where() != 'the busiest replica' else 'every replica'}):"]
+               f"{self.device if len(self._local) < 2 and self._strategy is None else 'every replica'}):"]
         for e in self.epochs:
             line = f"  epoch {e['epoch'] + 1:>3}: peak {format_bytes(e[PEAK_KEY])}, in use after {format_bytes(e[IN_USE_KEY])}"
             if "replicas" in e:

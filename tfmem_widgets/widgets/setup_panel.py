@@ -52,7 +52,7 @@ class SetupPanel(FullTextForm, w.VBox):
         self.use_limit = w.Checkbox(description="memory limit per GPU", disabled=no_gpu or not totals, indent=False)
         self.limit = w.IntSlider(value=min(4096, self._limit_max), min=1, max=self._limit_max,
                                  description="limit (MB)", disabled=no_gpu or not totals, style=style,
-                                 layout=w.Layout(width="480px"))
+                                 layout=w.Layout(width="480px"), continuous_update=False)
         self.split = w.Text(value="", placeholder="2  or  2048,2048", description="logical devices",
                             disabled=no_gpu, style=style)
         self.allocator = w.Dropdown(options=[_AS_IS, "bfc", "cuda_malloc_async"], value=_AS_IS,
@@ -63,7 +63,8 @@ class SetupPanel(FullTextForm, w.VBox):
                               value=no_gpu or lab_now is not None, indent=False)
         self.lab_mb = w.IntSlider(value=min(lab_now // MiB if lab_now else DEFAULT_LAB_MB, host_mb), min=16,
                                   max=host_mb, step=16,
-                                  description="lab limit (MB)", style=style, layout=w.Layout(width="480px"))
+                                  description="lab limit (MB)", style=style, layout=w.Layout(width="480px"),
+                                  continuous_update=False)  # checked and redrawn where the drag ends
         self.message = w.HTML()
         self.message.add_class("tfmem-setup-message")
         self.code = w.HTML()
@@ -94,7 +95,7 @@ class SetupPanel(FullTextForm, w.VBox):
         for control in (self.gpus, self.growth, self.force_growth, self.use_limit, self.limit, self.split,
                         self.allocator, self.lab, self.lab_mb):
             control.observe(self._changed, names="value")
-        for control in (self.limit, self.lab_mb, self.lab, self.batch):
+        for control in (self.limit, self.lab_mb, self.batch):  # the limit read and the batch typed
             control.observe(self._fits_changed, names="value")
         self.apply_button.on_click(lambda _: self.apply())
         self.use_needed.on_click(lambda _: self.set_needed_limit())
@@ -144,11 +145,11 @@ class SetupPanel(FullTextForm, w.VBox):
 
     def needed_limit_mb(self) -> int | None:
         """The limit (MB) the batch in the `batch` box needs by the search's line, with its margin."""
-        search = self._search
-        need = None if search is None else search.needs_bytes(self.batch.value)
-        if need is None:
-            return None
-        return -(-int(need / (1 - search.margin)) // MiB)
+        need = None if self._search is None else self._search.needs_bytes(self.batch.value)
+        return None if need is None else self._limit_mb_for(need)
+
+    def _limit_mb_for(self, need: int) -> int:
+        return -(-int(need / (1 - self._search.margin)) // MiB)  # whole MB, the margin kept free
 
     def set_needed_limit(self) -> None:
         """Move the slider to the limit the chosen batch needs (lab mode's in steps of 16 MB)."""
@@ -202,12 +203,12 @@ class SetupPanel(FullTextForm, w.VBox):
         elif not search.lab and not self.state.gpus:
             lines.append("The search ran on a GPU; lab mode's CPU kernels need other figures.")
         self.fits.value = "<br>".join(lines)
-        needed = self.needed_limit_mb()
+        need = search.needs_bytes(self.batch.value)
+        needed = None if need is None else self._limit_mb_for(need)
         if needed is None:
             self.needs.value = ""
             self.use_needed.disabled = True
         else:
-            need = search.needs_bytes(self.batch.value)
             self.needs.value = (f"A batch of {self.batch.value:,} needs about {format_bytes(need)}: a {kind} of at "
                                 f"least <b class='tfmem-needed-mb' data-mb='{needed}'>{needed:,} MB</b>"
                                 + (f" (with the margin of {search.margin:.0%})" if search.margin else "") + ".")

@@ -57,12 +57,14 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
         assert not search.monotone and "warning: not monotone" in repr(search)
     text = repr(search)
     assert f"largest batch that trained: {search.largest:,}" in text and "lab mode 128 MB, CPU kernels" in text
-    # With a margin, the recommended batch trains again in a fresh process of the same setup (the probe joins
-    # the search). Without one it is the edge itself, which the next process can miss: fresh-clone CI saw
-    # 5,890 train and then run out of memory (fragmentation) in another process.
+    # With a margin, the recommended batch (measured: its peak left 10% free) trains again in a fresh process
+    # of the same setup (the probe joins the search). Without one it is the edge itself, which the next process
+    # can miss: fresh-clone CI saw 5,890 train and then run out of memory (fragmentation) in another process;
+    # and the line's 10% margin (5,094) ran out of memory here too.
     search.margin = 0.1
     recommended, count = search.recommended, len(search.probes)
     assert recommended < safe
+    assert next(p for p in search.probes if p.batch == recommended).peak_bytes <= 0.9 * 128 * MiB
     (again,) = search.probe(recommended)
     assert again.batch == recommended and again.fits and len(search.probes) == count + 1
     assert not _children()
@@ -79,12 +81,17 @@ def test_the_probes_say_what_they_show():
     assert search.not_monotone == [(3000, 3500)] and not search.monotone
     fixed, per_example = search.peak_model()
     assert per_example > 0 and search.needs_bytes(2000) == int(fixed + per_example * 2000)
-    # with a 10% margin: the largest batch whose line stays under 90% of the limit, never above the
-    # largest that trained below every failure
-    assert search.recommended == min(search.batch_for(int(128 * MiB * 0.9)), 2000)
+    # with a 10% margin: the largest batch measured to peak under 90% of the limit (115.2 MiB), below every
+    # failure: 2,000 (70 MiB); 3,500 (100 MiB) is above the failure at 3,000
+    assert search.recommended == 2000
+    search.probes.append(Probe(2500, 120 * MiB, 1.0))  # trained, but its peak leaves less than 10%
+    assert search.edge == (2500, 3000) and search.recommended == 2000
+    search.margin = 0.8  # no probe left 80% of the limit free (the smallest peak, 30 MiB, is 23%)
+    assert search.recommended is None and "no probe's peak left 80% of the limit free" in repr(search)
+    search.margin = 0.1
     text = repr(search)
     assert "warning: not monotone: 3,500 trained although 3,000 ran out of memory" in text
-    assert "recommended with a margin of 10% of the limit" in text
+    assert "recommended, its measured peak leaving 10% of the limit free: 2,000" in text
 
 
 def test_bad_input_is_one_line_and_starts_nothing():

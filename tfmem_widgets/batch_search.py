@@ -21,6 +21,7 @@ the same batch ran out of memory (Keras' input pipeline holds a batch on the dev
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import pickle
@@ -84,21 +85,30 @@ class BatchSearch(LinesText):
         edge, say); they join `probes`, so `largest`, `edge`, the plot and the warnings follow."""
         if self._run is None:
             raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
+        batches = [_check_int("batch", b, 1) for b in batches]
+        with self._probing() as probe_one:
+            return [probe_one(batch) for batch in batches]
+
+    @contextlib.contextmanager
+    def _probing(self):
+        """While the functions' file exists: a function that runs one probe in a fresh process set
+        up like the others and adds it to `probes`."""
         from .fresh import FreshRunError, run_fresh
 
-        batches = [_check_int("batch", b, 1) for b in batches]
         functions, setup, env, timeout = self._run
-        done = []
         work = tempfile.mkdtemp(prefix="tfmem-batch-")
         try:
             path = Path(work) / "functions.pickle"
             path.write_bytes(functions)
-            for batch in batches:
-                done.append(_probe(run_fresh, FreshRunError, path, batch, self.steps, setup, env, timeout, self))
-                self.probes.append(done[-1])
+
+            def probe_one(batch: int) -> Probe:
+                probe = _probe(run_fresh, FreshRunError, path, batch, self.steps, setup, env, timeout, self)
+                self.probes.append(probe)
+                return probe
+
+            yield probe_one
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return done
 
     # -- what the probes show ------------------------------------------------------------
     @property
@@ -186,17 +196,18 @@ class BatchSearch(LinesText):
 
     @property
     def recommended(self) -> int | None:
-        """The largest batch that trained below every failure, or with a margin, the largest
-        whose predicted peak leaves `margin` of the limit free (never above that one)."""
+        """The largest batch that trained below every failure; with a margin, the largest batch a
+        probe measured (it trained) whose peak left `margin` of the limit free, below every failure.
+        Measured, not read off the line: near the edge a batch the line puts 10% under the limit
+        ran out of memory in lab mode, and a batch that trained once failed in the next process."""
         largest = self.edge[0]
         if largest is None or self.margin == 0:
             return largest
         if self.limit_bytes is None:
             return max(self.low, int(largest * (1 - self.margin)))
-        budget = self.batch_for(int(self.limit_bytes * (1 - self.margin)))
-        if budget is None:
-            return max(self.low, int(largest * (1 - self.margin)))
-        return max(min(budget, largest), 0) or None
+        budget = self.limit_bytes * (1 - self.margin)
+        within = [p.batch for p in self.fitted if p.batch <= largest and p.peak_bytes <= budget]
+        return max(within) if within else None
 
     @property
     def seconds(self) -> float:
@@ -216,8 +227,10 @@ class BatchSearch(LinesText):
             rec = self.recommended
             out.append(f"  largest batch that trained: {largest:,}"
                        + (f"; below every failure: {safe:,}" if safe != largest and safe is not None else "")
-                       + (f"; recommended with a margin of {self.margin:.0%} of the limit: {rec:,}"
-                          if self.margin and rec is not None else ""))
+                       + (f"; recommended, its measured peak leaving {self.margin:.0%} of the limit free: {rec:,}"
+                          if self.margin and rec is not None else "")
+                       + (f"; no probe's peak left {self.margin:.0%} of the limit free" if self.margin and rec is None
+                          else ""))
             largest = safe if safe is not None else largest
             if failure is not None and failure > largest:
                 step = max(1, math.ceil(largest * self.resolution))
@@ -481,7 +494,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
-    from .fresh import FreshRunError, _check_request, _check_timeout, run_fresh
+    from .fresh import _check_request, _check_timeout
 
     if not callable(build_model) or not callable(make_batch):
         bad = "build_model" if not callable(build_model) else "make_batch"
@@ -513,16 +526,12 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                          lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
     bar = _Progress(progress, max_probes)
     past: list[int] = []
-    work = tempfile.mkdtemp(prefix="tfmem-batch-")
-    try:
-        path = Path(work) / "functions.pickle"
-        path.write_bytes(functions)
+    with search._probing() as probe_one:
         batch: int | None = low
         try:
             while batch is not None and len(search.probes) < max_probes:
                 bar.probing(len(search.probes) + 1, batch)
-                probe = _probe(run_fresh, FreshRunError, path, batch, steps, setup, env, timeout, search)
-                search.probes.append(probe)
+                probe = probe_one(batch)
                 bar.probed(len(search.probes), probe)
                 if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
                     what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
@@ -538,8 +547,6 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                 search.first_failure - search.largest <= max(1, math.ceil(search.largest * resolution))
             search.notes.append(f"stopped at max_probes={max_probes} " + (
                 "before the probe past the edge" if within else "before the edge was within the resolution"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if search.largest is not None and not search.failed and search.largest < high and not search.interrupted:
         search.notes.append("no probe ran out of memory")
     if past and any(p.batch == past[0] for p in search.fitted):

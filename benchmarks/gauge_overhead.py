@@ -26,7 +26,7 @@ import time
 from tfmem_widgets import Gauge
 model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
 
-from tfmem_widgets.sampler import sampler
+from tfmem_widgets.readings.sampler import sampler
 
 def timed(with_gauge, bare=False):
     gauge = token = None

@@ -21,7 +21,7 @@ from _workloads import run_keras_rounds
 
 CODE = """
 import json, statistics, tempfile, time, shutil
-from tfmem_widgets import recorder
+from tfmem_widgets.tracing import recorder
 model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
 
 def fit():

@@ -61,8 +61,8 @@ def memory_of_reading(path: str) -> dict:
         import json, resource, psutil
         import matplotlib, tensorflow, tfmem_widgets
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
-        from tfmem_widgets.trace import Trace
-        from tfmem_widgets.xplane import read_xplane_file, read_xspace
+        from tfmem_widgets.tracing.block import Trace
+        from tfmem_widgets.tracing.xspace import read_xplane_file, read_xspace
 
         def peak():
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -112,8 +112,8 @@ def time_million(path: str) -> dict:
     return run(f"""
         import json, statistics, time
         import tensorflow
-        from tfmem_widgets.replay import Replay
-        from tfmem_widgets.xplane import read_xplane_file
+        from tfmem_widgets.tracing.replay import Replay
+        from tfmem_widgets.tracing.xspace import read_xplane_file
         from xprof.convert import raw_to_tool_data
         ours, xprof = [], []
         for _ in range(3):
@@ -138,8 +138,8 @@ def time_render(path: str, chunks: int) -> dict:
         import matplotlib.pyplot as plt
         import numpy as np
         import tensorflow
-        from tfmem_widgets.trace import Trace
-        from tfmem_widgets.xplane import read_xspace
+        from tfmem_widgets.tracing.block import Trace
+        from tfmem_widgets.tracing.xspace import read_xspace
         events = read_xspace(open({path!r}, "rb").read())["bfc_cpu_allocator_for_gpu"]
         allocs = np.cumsum(events.kind > 0)
         stop = min(int(np.searchsorted(allocs, {chunks})) + 1, len(events))   # fewer with a small --steps

@@ -10,8 +10,12 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+# The workbook's GPU experiments live next to the notebooks (they are not part of the package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 
 
 SESSION_LAB_MB = 256
@@ -31,7 +35,7 @@ KEEP_8_DROP_16 = "\\n".join(["import tensorflow as tf",
 def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a new Python process, as a reader's would start: without this
     process's setup variables. finish_fresh gives the JSON object it prints last."""
-    from tfmem_widgets.fresh import child_environment
+    from tfmem_widgets.fit.fresh import child_environment
 
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import tfmem_widgets
-from tfmem_widgets.batch_search import BatchSearch, Probe
+from tfmem_widgets.fit.search import BatchSearch, Probe
 from tfmem_widgets.errors import SetupError
 
 MiB = 1 << 20

@@ -11,12 +11,12 @@ import json
 import pytest
 
 from conftest import FRESH_SHELL, run_fresh, start_fresh
-from tfmem_widgets.setup_rules import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
-from tfmem_widgets.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV
+from tfmem_widgets.tf.setup_rules import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
+from tfmem_widgets.tf.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV
 
 
 def lab_setting(environment):
-    from tfmem_widgets.runtime import lab_setting
+    from tfmem_widgets.tf.runtime import lab_setting
 
     return lab_setting(environment)
 from tfmem_widgets.units import GiB
@@ -117,7 +117,7 @@ print(json.dumps({"report_limit": r.lab_limit_bytes, "report_notes": list(r.note
 PROBE = """
 import json, os, sys
 import tfmem_widgets
-from tfmem_widgets.runtime import lab_setting
+from tfmem_widgets.tf.runtime import lab_setting
 import tensorflow as tf
 predicted = lab_setting()
 print(json.dumps({"enabled": predicted.enabled, "limit_mb": predicted.limit_mb}), flush=True)

@@ -15,7 +15,7 @@ def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
         ip = start_ipython()
         ip.run_line_magic("load_ext", "tfmem_widgets")
         report = ip.run_line_magic("tfmem", "")          # reading must not start it either
-        from tfmem_widgets.runtime import runtime_started
+        from tfmem_widgets.tf.runtime import runtime_started
         before = runtime_started()
         result = ip.run_line_magic("tfmem", "setup --lab 64")
         import tensorflow as tf
@@ -75,7 +75,7 @@ def test_logical_cpus_and_a_refused_setup_leave_the_configuration_untouched():
     out = run_fresh(
         """
         import json, os, tfmem_widgets
-        from tfmem_widgets.runtime import logical_devices, runtime_started
+        from tfmem_widgets.tf.runtime import logical_devices, runtime_started
         env = {k: v for k, v in os.environ.items() if k.startswith("TF_")}
         try:
             tfmem_widgets.setup(lab_mb=64, gpus=[99])     # no such GPU anywhere: refused
@@ -98,8 +98,8 @@ def test_a_failure_half_way_through_applying_undoes_what_was_done():
     out = run_fresh(
         """
         import json, os
-        from tfmem_widgets.device_setup import apply_steps
-        from tfmem_widgets.setup_rules import Step
+        from tfmem_widgets.tf.device_setup import apply_steps
+        from tfmem_widgets.tf.setup_rules import Step
         before = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
         steps = [Step("env", "TF_CPU_ALLOCATOR_USE_BFC", "true", ""),
                  Step("cpus", None, 2, ""),
@@ -135,7 +135,7 @@ def test_a_first_cell_without_tensorflow_work_leaves_the_runtime_unstarted_and_p
         """
         import io, json, contextlib
         import tfmem_widgets
-        from tfmem_widgets.runtime import runtime_started
+        from tfmem_widgets.tf.runtime import runtime_started
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
             ip.run_cell_magic("tfmem", "", "x = 1 + 1")       # no TensorFlow work

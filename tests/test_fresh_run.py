@@ -9,11 +9,11 @@ import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
-from tfmem_widgets.workbook import gpu_experiments
-from tfmem_widgets.fresh import FreshRunError, without_native_logs, run_fresh
-from tfmem_widgets.measure import Measurement
-from tfmem_widgets.runtime import LAB_LIMIT_ENV
-from tfmem_widgets.trace import Trace
+import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
+from tfmem_widgets.fit.fresh import FreshRunError, without_native_logs, run_fresh
+from tfmem_widgets.readings.measure import Measurement
+from tfmem_widgets.tf.runtime import LAB_LIMIT_ENV
+from tfmem_widgets.tracing.block import Trace
 
 FRAGMENTING_OOM = """
 import tensorflow as tf, tfmem_widgets

@@ -15,7 +15,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from tfmem_widgets import SetupError
-from tfmem_widgets.fresh import FreshRunError, run_fresh
+from tfmem_widgets.fit.fresh import FreshRunError, run_fresh
 
 
 def alive(pid: int) -> bool:
@@ -113,7 +113,7 @@ VALUES = {
     "empty": "[[], {}, (), '', None]",
 }
 IMPORTS = ("import collections, datetime, decimal, fractions\nimport numpy as np\n"
-           "from pathlib import PurePosixPath\nfrom tfmem_widgets.allocator_map import Region\n")
+           "from pathlib import PurePosixPath\nfrom tfmem_widgets.tracing.allocator_map import Region\n")
 
 
 def same(a, b) -> bool:

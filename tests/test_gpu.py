@@ -18,7 +18,7 @@ MiB = 1 << 20
 PRELUDE = """
 import json, os
 import tfmem_widgets
-from tfmem_widgets import nvml
+from tfmem_widgets.tf import nvml
 def used():
     return nvml.read_gpu(nvml.nvml_index_for_cuda_ordinal(0, nvml.read_gpus())).used_bytes
 """
@@ -42,7 +42,7 @@ def test_default_limit_is_free_memory_minus_the_reserve_and_the_gap_adds_up():
         """
     )
     print(out["text"])
-    from tfmem_widgets.system_reserve import system_reserve
+    from tfmem_widgets.tf.system_reserve import system_reserve
 
     reserve, _ = system_reserve(out["free"], out["cc"][0], env={})
     # TensorFlow reads free memory itself, a few MiB apart from NVML's reading after it.
@@ -271,7 +271,7 @@ def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
         for name in ("GPU:0", "GPU:1"):
             with tf.device(name):
                 tf.zeros((256,))
-        from tfmem_widgets.widgets import Gauge, SetupPanel
+        from tfmem_widgets.notebook.widgets import Gauge, SetupPanel
         gauge = Gauge(interval=0.1)
         import time; time.sleep(0.5)
         sample = gauge.last_sample
@@ -294,7 +294,7 @@ def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
 
 
 def test_the_workbooks_gpu_experiments_run_live_and_measure_what_they_say():
-    from tfmem_widgets.workbook.gpu_experiments import gpu_result
+    from gpu_experiments import gpu_result  # notebooks/, on the path by tests/conftest.py
 
     order = gpu_result("logical_then_growth")
     assert order.live and "live on" in repr(order)
@@ -387,8 +387,8 @@ def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_t
         """
         tfmem_widgets.setup(split=[1024, 1024])
         import keras, numpy as np, tensorflow as tf
-        from tfmem_widgets.keras import MemoryCallback
-        from tfmem_widgets.widgets import Gauge
+        from tfmem_widgets.fit.callback import MemoryCallback
+        from tfmem_widgets.notebook.widgets import Gauge
 
         gauge = Gauge(interval=600)
         # the cross-device reduction of notebook 5: every gradient summed on GPU:0

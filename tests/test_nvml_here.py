@@ -1,7 +1,7 @@
 """NVML on this machine: the real library, whatever it finds."""
 
 
-from tfmem_widgets import nvml
+from tfmem_widgets.tf import nvml
 
 
 def test_read_gpus_answers_or_says_why_in_one_line():

@@ -249,7 +249,7 @@ def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell)
     import tfmem_widgets
     from IPython.core.error import UsageError
     from tfmem_widgets.errors import SetupError
-    from tfmem_widgets.recorder import current
+    from tfmem_widgets.tracing.recorder import current
 
     for bad in (0, 0.5, 4000, "5", True, float("nan")):
         with pytest.raises(SetupError) as caught:
@@ -280,7 +280,7 @@ out["raised"] = [type(result.error_in_exec).__name__, str(result.error_in_exec)]
 out["raised_report"] = [r.verdict, r.request_bytes, r.largest_free_bytes, r.in_use_bytes, r.limit_bytes,
                         r.limit_source, r.dump_path]
 # 2. the child dies after its OOM (as an XLA program's OOM ends a process): its dump is read here
-cell("tfmem_widgets.oom_watch.remember(None)")
+cell("tfmem_widgets.oom.watch.remember(None)")
 said_before = len(said.getvalue())
 result = cell("%%tfmem fresh --lab 64\\n" + ALTERNATE + '''try:
     big = tf.zeros((4 << 20,))
@@ -327,8 +327,8 @@ def test_an_oom_in_a_fresh_process_is_explained_here_even_when_it_kills_the_proc
 
 
 def test_a_compiled_steps_oom_names_its_step_and_node_and_on_a_cpu_says_what_varies():
-    from tfmem_widgets.allocator_map import AllocatorMap
-    from tfmem_widgets.oom_report import CPU_STEP_NOTE, report_from_dump
+    from tfmem_widgets.tracing.allocator_map import AllocatorMap
+    from tfmem_widgets.oom.report import CPU_STEP_NOTE, report_from_dump
 
     text = ("Graph execution error:\n\nOOM when allocating tensor with shape[8192,4096] and type float on "
             "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu\n"

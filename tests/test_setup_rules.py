@@ -8,15 +8,15 @@ rules against a real GPU runtime are in test_gpu.py.
 import pytest
 
 from tfmem_widgets.errors import SetupError
-from tfmem_widgets.nvml import GpuMemory, ProcessGpuMemory
-from tfmem_widgets.setup_rules import (
+from tfmem_widgets.tf.nvml import GpuMemory, ProcessGpuMemory
+from tfmem_widgets.tf.setup_rules import (
     CUDA_CONTEXT_ALLOWANCE,
     DEFAULT_LAB_MB,
     DeviceState,
     SetupRequest,
     plan_setup,
 )
-from tfmem_widgets.runtime import PhysicalGpu
+from tfmem_widgets.tf.runtime import PhysicalGpu
 from tfmem_widgets.units import GiB, MiB
 
 

@@ -18,14 +18,14 @@ import pytest
 import importlib
 
 from tfmem_widgets import SetupError, measure, run_fresh, trace
-from tfmem_widgets.sampler import sampler
+from tfmem_widgets.readings.sampler import sampler
 
 from injection import Steps
 
 # The modules (the package's names `trace` and `measure` are the classes).
-trace_module = importlib.import_module("tfmem_widgets.trace")
-measure_module = importlib.import_module("tfmem_widgets.measure")
-fresh = importlib.import_module("tfmem_widgets.fresh")
+trace_module = importlib.import_module("tfmem_widgets.tracing.block")
+measure_module = importlib.import_module("tfmem_widgets.readings.measure")
+fresh = importlib.import_module("tfmem_widgets.fit.fresh")
 
 
 def open_fds() -> set[str]:
@@ -195,7 +195,7 @@ def test_an_interrupt_at_each_step_of_a_fresh_run_leaves_nothing(lab_session):
 
 
 def test_an_interrupt_at_each_step_of_making_a_gauge_leaves_no_subscriber(lab_session):
-    from tfmem_widgets.widgets import gauge as gauge_module
+    from tfmem_widgets.notebook.widgets import gauge as gauge_module
 
     steps = Steps([gauge_module], cleanup=("close", "stop"))
     made = []
@@ -238,7 +238,7 @@ def test_ctrl_c_while_the_profiler_starts_leaves_fd2_the_environment_and_files_a
 # -- fault 18: a short gauge after a long one -------------------------------------------------
 
 def test_a_short_interval_made_after_a_long_one_is_read_on_time(lab_session):
-    from tfmem_widgets.widgets.gauge import Gauge
+    from tfmem_widgets.notebook.widgets.gauge import Gauge
 
     slow = Gauge(interval=600)
     try:
@@ -256,7 +256,7 @@ def test_a_short_interval_made_after_a_long_one_is_read_on_time(lab_session):
 
 @pytest.mark.parametrize("interval", [1e-9, 0, -1, 4000, "0.5", None, True])
 def test_a_gauge_interval_is_checked_where_it_is_given(lab_session, interval):
-    from tfmem_widgets.widgets.gauge import Gauge
+    from tfmem_widgets.notebook.widgets.gauge import Gauge
 
     subscribers = sampler.subscriber_count
     with pytest.raises(SetupError) as info:

@@ -11,7 +11,7 @@ import pytest
 import tfmem_widgets
 from tfmem_widgets import Trace, TraceDataError, trace
 from tfmem_widgets.units import format_bytes
-from tfmem_widgets.xplane import read_xspace
+from tfmem_widgets.tracing.xspace import read_xspace
 
 from conftest import finish_fresh, run_fresh, start_fresh
 
@@ -163,7 +163,7 @@ try:
     refused = None
 except tfmem_widgets.SetupError as exc:
     refused = str(exc)
-print(json.dumps({"refused": refused, "tracing": importlib.import_module("tfmem_widgets.trace").tracing()}))
+print(json.dumps({"refused": refused, "tracing": importlib.import_module("tfmem_widgets.tracing.block").tracing()}))
 """, env={"TF_GPU_ALLOCATOR": "cuda_malloc_async"})
     assert "cuda_malloc_async" in out["refused"] and "\n" not in out["refused"]
     assert out["tracing"] is False  # refused before anything started

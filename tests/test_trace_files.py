@@ -207,7 +207,7 @@ def test_a_trace_that_cannot_be_read_keeps_the_blocks_exception_and_the_kept_fil
 
     from tfmem_widgets import TraceDataError
 
-    trace_module = importlib.import_module("tfmem_widgets.trace")
+    trace_module = importlib.import_module("tfmem_widgets.tracing.block")
 
     def damaged(path):
         raise TraceDataError(f"{path} is not a readable profiler trace (truncated).")

@@ -8,11 +8,11 @@ from IPython.core.error import UsageError
 
 import tfmem_widgets
 from tfmem_widgets.errors import SetupError
-from tfmem_widgets.nvml import GpuMemory
-from tfmem_widgets.setup_rules import DeviceState, SetupRequest, plan_setup
-from tfmem_widgets.runtime import PhysicalGpu
-from tfmem_widgets.sampler import sampler
-from tfmem_widgets.widgets import Gauge, MapViewer, SetupPanel
+from tfmem_widgets.tf.nvml import GpuMemory
+from tfmem_widgets.tf.setup_rules import DeviceState, SetupRequest, plan_setup
+from tfmem_widgets.tf.runtime import PhysicalGpu
+from tfmem_widgets.readings.sampler import sampler
+from tfmem_widgets.notebook.widgets import Gauge, MapViewer, SetupPanel
 
 MiB = 1 << 20
 
@@ -219,7 +219,7 @@ def test_the_map_viewers_allocator_is_a_trait(lab_session):
 def _search(lab: bool):
     """A search's probes as max_batch_size records them (the search itself: test_batch_search.py):
     peaks on a line of 10 MiB + 20 KiB per example, 4,096 trained, 4,608 ran out of memory under 96 MB."""
-    from tfmem_widgets.batch_search import BatchSearch, Probe
+    from tfmem_widgets.fit.search import BatchSearch, Probe
 
     probes = [Probe(b, 10 * MiB + b * 20 * 1024, 5.0) for b in (256, 1024, 4096)]
     probes.append(Probe(4608, None, 15.0, verdict="limit", request_bytes=8 * MiB))

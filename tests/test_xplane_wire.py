@@ -4,7 +4,7 @@ protobuf format allows for an event (built with TensorFlow's own message classes
 import numpy as np
 import pytest
 
-from tfmem_widgets.xplane import read_xspace
+from tfmem_widgets.tracing.xspace import read_xspace
 from xspace_reference import read_xspace_reference
 
 COLUMNS = ("time_ns", "kind", "address", "size", "requested", "in_use", "peak", "available",

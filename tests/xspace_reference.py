@@ -8,7 +8,7 @@ from array import array
 import numpy as np
 
 from tfmem_widgets.errors import TraceDataError
-from tfmem_widgets.events import (
+from tfmem_widgets.tracing.events import (
     ALLOCATOR_SLOT,
     COLUMN_TYPES,
     EVENT_KINDS,
@@ -115,7 +115,7 @@ def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, A
 def _name_unnamed(unnamed, space, intern) -> None:
     """Each allocation without an op named by the activities around it, event by event: those
     covering it on its own line, and the tf.functions running then on any line."""
-    from tfmem_widgets.xplane_wire import _FUNCTION, _NOT_ACTIVITIES, context_label
+    from tfmem_widgets.tracing.wire import _FUNCTION, _NOT_ACTIVITIES, context_label
 
     if not unnamed:
         return

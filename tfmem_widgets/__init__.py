@@ -14,19 +14,19 @@ only possible before its runtime starts, so nothing here may start it early.
 After %load_ext, an OOM in any cell is explained under its traceback (last_oom()).
 """
 
-from .allocator_map import AllocatorMap, Chunk, Region
-from .batch_search import BatchSearch, Probe, max_batch_size
-from .bfc_dump import load_memory_dump, parse_bfc_dump
-from .device_setup import SetupResult, setup
+from .tracing.allocator_map import AllocatorMap, Chunk, Region
+from .fit.search import BatchSearch, Probe, max_batch_size
+from .tracing.dumps import load_memory_dump, parse_bfc_dump
+from .tf.device_setup import SetupResult, setup
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
-from .fresh import FreshRun, run_fresh
-from .measure import Measurement, measure
-from .oom_report import OomReport
-from .oom_watch import explain_oom, last_oom, unwatch_oom, watch_oom
-from .recorder import Recorder, record
-from .report import MemoryReport, report
-from .trace import Trace, trace
-from .runtime import watch_runtime_start
+from .fit.fresh import FreshRun, run_fresh
+from .readings.measure import Measurement, measure
+from .oom.report import OomReport
+from .oom.watch import explain_oom, last_oom, unwatch_oom, watch_oom
+from .tracing.recorder import Recorder, record
+from .readings.report import MemoryReport, report
+from .tracing.block import Trace, trace
+from .tf.runtime import watch_runtime_start
 
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 
@@ -73,7 +73,7 @@ _WIDGETS = ("Gauge", "MapViewer", "SetupPanel")
 def __getattr__(name):
     # The panels need ipywidgets (and so IPython): loaded on first use only.
     if name in _WIDGETS:
-        from . import widgets
+        from .notebook import widgets
 
         return getattr(widgets, name)
     if name == "keras":  # MemoryCallback: imports Keras, so only when asked for
@@ -85,7 +85,7 @@ def __getattr__(name):
 
 def _after_cell(result=None):
     """post_run_cell: the readings' after-cell hook (gauges and panels register on it)."""
-    from .sampler import after_cell
+    from .readings.sampler import after_cell
 
     after_cell()
 
@@ -93,8 +93,8 @@ def _after_cell(result=None):
 def _before_cell(info=None):
     """pre_run_cell: the OOM watcher notes the dumps that exist; lab-mode hazards are said
     before the cell runs."""
-    from .oom_watch import cell_started
-    from .hazards import warn_before_cell
+    from .oom.watch import cell_started
+    from .notebook.hazards import warn_before_cell
 
     cell_started()
     warn_before_cell(getattr(info, "raw_cell", "") or "")
@@ -102,7 +102,7 @@ def _before_cell(info=None):
 
 def _explain_oom(result=None):
     """post_run_cell: an OOM the cell raised is explained in its output."""
-    from .oom_watch import cell_finished
+    from .oom.watch import cell_finished
 
     cell_finished(result)
 
@@ -110,7 +110,7 @@ def _explain_oom(result=None):
 def load_ipython_extension(ipython):
     """%load_ext tfmem_widgets: registers %tfmem / %%tfmem and the OOM watcher (TensorFlow's
     dump at every OOM, into a folder of the extension's own); starts nothing."""
-    from .magics import TfmemMagics
+    from .notebook.magics import TfmemMagics
 
     ipython.register_magics(TfmemMagics)
     watch_oom()
@@ -129,9 +129,9 @@ def unload_ipython_extension(ipython):
         if hook in ipython.events.callbacks[event]:
             ipython.events.unregister(event, hook)
     unwatch_oom()
-    from .recorder import stop
+    from .tracing.recorder import stop
 
     stop()
-    from .sampler import unload
+    from .readings.sampler import unload
 
     unload()  # gauges stop, and with them the sampler's thread

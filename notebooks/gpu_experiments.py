@@ -1,0 +1,525 @@
+"""Behaviours that exist only on a GPU, measured live there and recorded for everywhere else.
+
+The reserve, preallocation, growth regions, logical-device limits and the driver's view (NVML)
+do not exist in lab mode. Each experiment here is a cell that runs in a fresh process on a GPU
+(setup is once per process) and prints what it measured. ``gpu_result(name)`` runs it live
+where TensorFlow sees a GPU; elsewhere it shows the result recorded on a real GPU, labelled with
+the card, the TensorFlow version and the date.
+
+Record on a GPU machine (writes gpu_recorded.json next to this file):
+
+    python notebooks/gpu_experiments.py record
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tfmem_widgets.fit.fresh import run_fresh
+
+RECORDED = Path(__file__).with_name("gpu_recorded.json")
+
+# Every experiment's cell starts with this: the card as NVML sees it, in bytes.
+_PRELUDE = """
+import gc
+from tfmem_widgets.tf import nvml
+from tfmem_widgets.units import format_bytes as fmt
+
+def card():
+    gpus = nvml.read_gpus()
+    return gpus[nvml.nvml_index_for_cuda_ordinal(0, gpus)]
+
+def first_tensor_jump(device="GPU:0"):   # NVML's used memory added by a 1 KiB tensor, devices made first
+    import tensorflow as tf
+    tf.config.list_logical_devices("GPU")
+    before = card().used_bytes
+    with tf.device(device):
+        tf.zeros((256,))
+    return card().used_bytes - before
+"""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    title: str
+    code: str
+    setup: dict | None = None  # tfmem_widgets.setup() arguments in the fresh process
+    env: dict = field(default_factory=dict)
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "default_limit": Experiment(
+        "TensorFlow's default limit: the free memory it reads, minus a reserve",
+        """
+before = card()
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+from tfmem_widgets.tf.system_reserve import system_reserve
+limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+after = card()
+major, minor = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])["compute_capability"]
+reserve, why = system_reserve(after.free_bytes, major)
+print(f"card: {after.name}, compute capability {major}.{minor}, {fmt(after.total_bytes)} in all")
+print(f"NVML used before TensorFlow made its device: {fmt(before.used_bytes)} (the driver, other processes)")
+print(f"making the device (the CUDA context) added {fmt(after.used_bytes - before.used_bytes)}, before any tensor")
+print(f"NVML free then: {fmt(after.free_bytes)}; TensorFlow's limit: {fmt(limit)}")
+print(f"free - limit = {fmt(after.free_bytes - limit)}; TensorFlow's table: {why}")
+result = {"total": after.total_bytes, "used_before": before.used_bytes, "context": after.used_bytes - before.used_bytes,
+          "free": after.free_bytes, "limit": limit, "reserve_table": reserve, "cc": [major, minor]}
+""",
+    ),
+    "reserve_500": Experiment(
+        "TF_DEVICE_MIN_SYS_MEMORY_IN_MB=500: a smaller reserve, a larger limit",
+        """
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+after = card()
+print(f"NVML free after the CUDA context: {fmt(after.free_bytes)}; TensorFlow's limit: {fmt(limit)}")
+print(f"free - limit = {fmt(after.free_bytes - limit)} (asked: 500 MiB)")
+result = {"free": after.free_bytes, "limit": limit}
+""",
+        env={"TF_DEVICE_MIN_SYS_MEMORY_IN_MB": "500"},
+    ),
+    "outside_tensorflow": Experiment(
+        "Memory outside TensorFlow's allocator: the driver sees it, TensorFlow does not",
+        """
+import tensorflow as tf
+x = tf.zeros((16 << 20,))                       # 64 MiB through TensorFlow's allocator
+tf_before, nvml_before = tf.config.experimental.get_memory_info("GPU:0")["current"], card().used_bytes
+try:                                            # another library in the same process
+    import torch
+    other = torch.empty(256 << 20, dtype=torch.float32, device="cuda")   # 1 GiB
+    library = f"PyTorch {torch.__version__}"
+except Exception:                               # no PyTorch: the CUDA runtime itself
+    import ctypes
+    pointer = ctypes.c_void_p()
+    ctypes.CDLL("libcudart.so.12").cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(1 << 30))
+    library = "cudaMalloc (CUDA runtime)"
+tf_after, nvml_after = tf.config.experimental.get_memory_info("GPU:0")["current"], card().used_bytes
+print(f"1 GiB allocated with {library}")
+print(f"NVML used: {fmt(nvml_before)} -> {fmt(nvml_after)} (+{fmt(nvml_after - nvml_before)})")
+print(f"TensorFlow's in use: {fmt(tf_before)} -> {fmt(tf_after)} (+{fmt(tf_after - tf_before)})")
+result = {"library": library, "nvml_delta": nvml_after - nvml_before, "tf_delta": tf_after - tf_before}
+""",
+        setup={"growth": True},
+    ),
+    "no_growth": Experiment(
+        "Without growth, the first tensor takes the whole limit",
+        """
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+jump = first_tensor_jump()
+print(f"TensorFlow's limit: {fmt(limit)}")
+print(f"a 1 KiB tensor: NVML used +{fmt(jump)}; TensorFlow's in use {fmt(tf.config.experimental.get_memory_info('GPU:0')['current'])}")
+result = {"limit": limit, "nvml_delta": jump}
+""",
+    ),
+    "growth_regions": Experiment(
+        "With growth, the pool grows in regions and never shrinks",
+        """
+import tensorflow as tf
+tf.config.list_logical_devices("GPU")          # make the device (and the CUDA context) first
+kept, rows = [], []
+for label, floats in (("1 KB", 256), ("1 MB", 1 << 18), ("10 MB", 10 << 18), ("100 MB", 100 << 18), ("1000 MB", 1000 << 18)):
+    before = card().used_bytes
+    kept.append(tf.zeros((floats,)))
+    after = card().used_bytes
+    current = tf.config.experimental.get_memory_info("GPU:0")["current"]
+    rows.append((label, after - before, current))
+    print(f"keep a {label:>7} tensor: NVML used +{fmt(after - before):>11}; TensorFlow's in use {fmt(current)}")
+used_full = card().used_bytes
+del kept
+gc.collect()
+current = tf.config.experimental.get_memory_info("GPU:0")["current"]
+used_after = card().used_bytes
+print(f"after del and gc.collect(): TensorFlow's in use {fmt(current)}; NVML used changed by {fmt(used_after - used_full)}")
+result = {"rows": rows, "current_after_del": current, "nvml_change_after_del": used_after - used_full}
+""",
+        setup={"growth": True},
+    ),
+    "growth_then_logical": Experiment(
+        "The popular snippet: growth, then a 1024 MB logical device",
+        """
+import tensorflow as tf
+gpu = tf.config.list_physical_devices("GPU")[0]
+tf.config.experimental.set_memory_growth(gpu, True)
+tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
+print("both calls accepted, no error")
+jump = first_tensor_jump()
+print(f"a 1 KiB tensor: NVML used +{fmt(jump)}: growth was dropped, the logical device took its whole limit")
+result = {"nvml_delta": jump}
+""",
+    ),
+    "logical_then_growth": Experiment(
+        "The other order: a logical device, then growth",
+        """
+import tensorflow as tf
+gpu = tf.config.list_physical_devices("GPU")[0]
+tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
+try:
+    tf.config.experimental.set_memory_growth(gpu, True)
+    message = None
+    print("accepted")
+except ValueError as error:
+    message = str(error)
+    print(f"ValueError: {message}")
+result = {"error": message}
+""",
+    ),
+    "force_growth_logical": Experiment(
+        "TF_FORCE_GPU_ALLOW_GROWTH=true with the same 1024 MB logical device",
+        """
+import tensorflow as tf
+gpu = tf.config.list_physical_devices("GPU")[0]
+tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=1024)])
+jump = first_tensor_jump()
+print(f"a 1 KiB tensor: NVML used +{fmt(jump)}: growth holds, the limit still applies")
+result = {"nvml_delta": jump}
+""",
+        env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+    ),
+    "fresh_process": Experiment(
+        "Memory comes back when the process ends, not before",
+        """
+import tfmem_widgets
+start = card().used_bytes
+held = tfmem_widgets.run_fresh('''
+import gc, tensorflow as tf
+from tfmem_widgets.tf import nvml
+x = tf.zeros((256 << 20,))                      # 1 GiB
+del x
+gc.collect()
+used = nvml.read_gpus()[0].used_bytes
+''', setup={"growth": True}, returns=["used"], echo=False).values["used"]
+end = card().used_bytes
+print(f"a process made and deleted 1 GiB: NVML used +{fmt(held - start)} while it lived")
+print(f"after it ended: NVML used {fmt(end - start)} above the start")
+result = {"held": held - start, "after_exit": end - start}
+""",
+    ),
+    "logical_limits": Experiment(
+        "Two logical devices of one GPU, each within its own limit",
+        """
+import tensorflow as tf
+import tfmem_widgets
+from tfmem_widgets.tf.device_setup import current_state
+logical = [d.name for d in tf.config.list_logical_devices("GPU")]
+print(f"logical GPUs: {', '.join(name.split('device:')[-1] for name in logical)}")
+jumps = []
+for index in range(2):
+    jumps.append(first_tensor_jump(f"GPU:{index}"))
+    print(f"first tensor on GPU:{index}: NVML used +{fmt(jumps[-1])}")
+try:
+    with tf.device("GPU:1"):
+        too_big = tf.zeros((150 << 20,))        # 600 MiB on the 512 MB device
+    oom = None
+except tf.errors.ResourceExhaustedError as error:
+    import re
+    oom = re.search(r"OOM when allocating tensor with shape\\[\\d+\\].*? by allocator \\S+", str(error)).group(0)
+print(f"600 MiB on GPU:1 with {fmt(card().free_bytes)} free on the card: {'OOM: ' + oom if oom else 'fitted'}")
+with tf.device("GPU:0"):
+    fits = tf.zeros((150 << 20,))
+print("the same 600 MiB on GPU:0 (1024 MB): fitted")
+result = {"logical": logical, "nvml_jumps": jumps, "oom": oom}
+""",
+        setup={"split": [1024, 512]},
+    ),
+    "second_process": Experiment(
+        "A second process on a GPU that the first one preallocated",
+        """
+import tensorflow as tf
+import tfmem_widgets
+from tensorflow.python.client import device_lib
+first_limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+jump = first_tensor_jump()                      # no growth: the first tensor takes the whole limit
+print(f"first process: limit {fmt(first_limit)}; its first tensor took {fmt(jump)}; the card has {fmt(card().free_bytes)} free")
+second = tfmem_widgets.run_fresh('''
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+from tfmem_widgets.tf import nvml
+from tfmem_widgets.tf.system_reserve import system_reserve
+def card():
+    gpus = nvml.read_gpus()
+    return gpus[nvml.nvml_index_for_cuda_ordinal(0, gpus)]
+limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
+free = card().free_bytes                        # after this process's CUDA context
+major = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])["compute_capability"][0]
+reserve, why = system_reserve(free, major)
+outcomes = {}
+for label, floats in (("a 1 KiB tensor", 256), ("half its limit", limit // 8), ("twice its limit", limit // 2)):
+    try:
+        kept = tf.zeros((floats,))
+        outcomes[label] = "fitted"
+        del kept
+    except tf.errors.ResourceExhaustedError:
+        outcomes[label] = "OOM"
+''', returns=["limit", "free", "reserve", "why", "outcomes"], echo=False).values
+print(f"second process: it read {fmt(second['free'])} free and took a limit of {fmt(second['limit'])}: "
+      f"free - limit = {fmt(second['free'] - second['limit'])} ({second['why']})")
+for label, outcome in second["outcomes"].items():
+    print(f"second process, {label}: {outcome}")
+result = {"first_limit": first_limit, "first_jump": jump, **second}
+""",
+    ),
+    "logical_cap": Experiment(
+        "Two logical GPUs whose limits add up past the card, growth forced: a limit caps, it reserves nothing",
+        """
+import re
+import tensorflow as tf
+gpu = tf.config.list_physical_devices("GPU")[0]
+free = card().free_bytes
+share_mb = int(free * 0.6) >> 20                # each limit 60% of the free memory: together past the card
+tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=share_mb)] * 2)
+tf.config.list_logical_devices("GPU")
+print(f"two logical GPUs with limits of {share_mb:,} MB each on a card with {fmt(free)} free: accepted, no error")
+first_bytes = (free // 2 + (4 << 30)) // 256 * 256   # past half the card, within GPU:0's limit
+with tf.device("GPU:0"):
+    first = tf.zeros((first_bytes // 4,))
+print(f"GPU:0 keeps {fmt(first_bytes)}, within its limit; the card has {fmt(card().free_bytes)} free")
+second_bytes = free // 2 // 256 * 256           # half the card, within GPU:1's limit
+try:
+    with tf.device("GPU:1"):
+        second = tf.zeros((second_bytes // 4,))
+    oom = None
+except tf.errors.ResourceExhaustedError as error:
+    oom = re.search(r"OOM when allocating tensor with shape\\[\\d+\\].*? by allocator \\S+", str(error)).group(0)
+print(f"GPU:1 asks for {fmt(second_bytes)}, under its limit of {share_mb:,} MB: {'OOM: ' + oom if oom else 'fitted'}")
+result = {"free": free, "limit_mb": share_mb, "first_bytes": first_bytes, "second_bytes": second_bytes, "oom": oom}
+""",
+        env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+    ),
+    "garbage_collection": Experiment(
+        "Empty regions given back, only when an allocation would otherwise fail",
+        """
+import tensorflow as tf
+import tfmem_widgets
+tf.config.list_logical_devices("GPU")
+start = card().used_bytes
+def used():
+    return card().used_bytes - start
+x = tf.zeros((1000 << 18,))                     # 1000 MiB: a region of its own
+with_x = used()
+del x
+gc.collect()
+after_del = used()
+y = tf.zeros((3500 << 18,))                     # 3500 MiB: no room under the 4096 MB limit beside that region
+with_y = used()
+print(f"keep 1000 MiB: NVML used +{fmt(with_x)}; after del and gc.collect(): +{fmt(after_del)} (nothing given back)")
+print(f"then 3500 MiB under the 4096 MB limit: fitted; NVML used +{fmt(with_y)}")
+without = tfmem_widgets.run_fresh('''
+import gc, tensorflow as tf
+x = tf.zeros((1000 << 18,))
+del x
+gc.collect()
+try:
+    y = tf.zeros((3500 << 18,))
+    outcome = "fitted"
+except tf.errors.ResourceExhaustedError:
+    outcome = "OOM"
+''', setup={"limit_mb": 4096, "force_growth": True}, env={"TF_ENABLE_GPU_GARBAGE_COLLECTION": "false"},
+   returns=["outcome"], echo=False).values["outcome"]
+print(f"the same with TF_ENABLE_GPU_GARBAGE_COLLECTION=false: {without}")
+result = {"with_first": with_x, "after_del": after_del, "with_second": with_y, "without_gc": without}
+""",
+        setup={"limit_mb": 4096, "force_growth": True},
+    ),
+    "clear_session": Experiment(
+        "What keras.backend.clear_session() gives back",
+        """
+import keras
+import tensorflow as tf
+tf.config.list_logical_devices("GPU")
+rows = []
+def row(label):
+    rows.append((label, tf.config.experimental.get_memory_info("GPU:0")["current"], card().used_bytes))
+    print(f"{label:<44} TensorFlow's in use {fmt(rows[-1][1]):>11}   NVML used {fmt(rows[-1][2]):>11}")
+row("start")
+model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096), keras.layers.Dense(4096)])
+model.compile(optimizer="adam", loss="mse")
+data = tf.ones((1024, 4096))
+model.fit(data, data, epochs=1, verbose=0)
+row("after one fit (weights, Adam's slots, data)")
+keras.backend.clear_session()
+gc.collect()
+row("clear_session() with `model` still named")
+del model
+gc.collect()
+row("del model, gc.collect()")
+keras.backend.clear_session()
+gc.collect()
+row("clear_session() again")
+del data
+gc.collect()
+row("del data, gc.collect()")
+result = {"rows": rows}
+""",
+        setup={"growth": True},
+    ),
+    "mirrored": Experiment(
+        "MirroredStrategy over two logical GPUs: one copy of every variable per replica",
+        """
+import tensorflow as tf
+devices = ["/gpu:0", "/gpu:1"]
+strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+def in_use():
+    return [tf.config.experimental.get_memory_info(f"GPU:{i}")["current"] for i in range(2)]
+before = in_use()
+with strategy.scope():
+    weights = tf.Variable(tf.ones((16 << 20,)), aggregation=tf.VariableAggregation.MEAN)  # 64 MiB
+after = in_use()
+print(f"replicas: {strategy.num_replicas_in_sync}")
+for i in range(2):
+    print(f"GPU:{i}: a 64 MiB variable under the strategy added {fmt(after[i] - before[i])}")
+
+@tf.function
+def step():
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(weights * 0.5))
+        grad = tape.gradient(loss, weights)
+        weights.assign_sub(0.01 * grad)
+        return loss
+    return strategy.run(replica_step)
+peaks = []
+for i in range(2):
+    tf.config.experimental.reset_memory_stats(f"GPU:{i}")
+step()
+for i in range(2):
+    peak = tf.config.experimental.get_memory_info(f"GPU:{i}")["peak"]
+    peaks.append(peak)
+    print(f"GPU:{i}: peak during one step {fmt(peak)}")
+result = {"added": [after[i] - before[i] for i in range(2)], "peaks": peaks}
+""",
+        setup={"split": [1024, 1024], "force_growth": True},
+    ),
+}
+
+
+@dataclass
+class GpuResult:
+    """One experiment's output, live or recorded, with where it came from."""
+
+    name: str
+    title: str
+    source: str
+    output: str
+    values: dict[str, Any]
+    live: bool
+
+    def __repr__(self) -> str:
+        return f"{self.title}\n[{self.source}]\n{self.output.rstrip()}"
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))
+
+
+def _gpu_here() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def run_experiment(name: str, echo: bool = False) -> tuple[str, dict]:
+    """Run one experiment in a fresh process (needs a GPU): (its printed output, its values)."""
+    experiment = EXPERIMENTS[name]
+    run = run_fresh(_PRELUDE + experiment.code, setup=experiment.setup, env=experiment.env,
+                    returns=["result"], echo=echo)
+    return run.output, run.values["result"]
+
+
+# Which GPU math libraries TensorFlow loaded, and whether each is the real one: a stand-in (an
+# empty library of the same name) loads but lacks the library's functions. Read in a process that
+# made the GPU device and ran a matmul, from the files mapped into it.
+_LIBRARIES_CODE = """
+import ctypes, tensorflow as tf
+tf.config.list_logical_devices("GPU")
+a = tf.ones((64, 64))
+_ = (a @ a).numpy()
+symbols = {"cuBLAS": ("libcublas.so", "cublasCreate_v2"), "cuFFT": ("libcufft.so", "cufftPlan1d"),
+           "cuSOLVER": ("libcusolver.so", "cusolverDnCreate"), "cuSPARSE": ("libcusparse.so", "cusparseCreate"),
+           "cuDNN": ("libcudnn.so", "cudnnCreate")}
+mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/" in line}
+libraries = {}
+for name, (stem, symbol) in symbols.items():
+    paths = sorted(p for p in mapped if p.rsplit("/", 1)[-1].startswith(stem))
+    if not paths:
+        libraries[name] = "not loaded"
+    else:
+        libraries[name] = "real" if hasattr(ctypes.CDLL(paths[0]), symbol) else "stand-in"
+"""
+
+
+def libraries_label(libraries: dict[str, str]) -> str:
+    """E.g. 'cuBLAS real; cuFFT, cuSOLVER, cuSPARSE empty stand-ins; cuDNN not loaded'."""
+    parts = []
+    for state, one, several in (("real", "real", "real"), ("stand-in", "an empty stand-in", "empty stand-ins"),
+                                ("not loaded", "not loaded", "not loaded")):
+        names = [name for name, found in libraries.items() if found == state]
+        if names:
+            parts.append(f"{', '.join(names)} {one if len(names) == 1 else several}")
+    return "; ".join(parts)
+
+
+def _environment_label(libraries: bool = False) -> dict:
+    """The card, its driver, TensorFlow's version and the date; with `libraries`, which math
+    libraries were real (read in a fresh process, for recordings)."""
+    import tensorflow as tf
+
+    from .. import nvml
+
+    gpu = nvml.read_gpus()[0]
+    driver = nvml._nvml().nvmlSystemGetDriverVersion()
+    label = {"device": gpu.name, "driver": driver if isinstance(driver, str) else driver.decode(),
+             "tensorflow": tf.__version__, "date": _dt.date.today().isoformat()}
+    if libraries:
+        label["libraries"] = run_fresh(_LIBRARIES_CODE, returns=["libraries"], echo=False).values["libraries"]
+    return label
+
+
+def gpu_result(name: str, live: bool | None = None) -> GpuResult:
+    """The experiment `name`: run live where TensorFlow sees a GPU, else as recorded.
+
+    >>> gpu_result("growth_regions")     # shows where the figures come from
+    """
+    if name not in EXPERIMENTS:
+        raise KeyError(f"no GPU experiment {name!r}; there are: {', '.join(EXPERIMENTS)}")
+    title = EXPERIMENTS[name].title
+    if live is None:
+        live = _gpu_here()
+    if live:
+        label = _environment_label()
+        output, values = run_experiment(name)
+        source = f"live on {label['device']}, TensorFlow {label['tensorflow']}"
+        return GpuResult(name, title, source, output, values, True)
+    recorded = json.loads(RECORDED.read_text())
+    entry = recorded["experiments"][name]
+    label = recorded["environment"]
+    source = (f"recorded on {label['device']} (driver {label['driver']}), TensorFlow {label['tensorflow']}, "
+              f"{label['date']}; {libraries_label(label['libraries'])}: no GPU here, so not run live")
+    return GpuResult(name, title, source, entry["output"], entry["values"], False)
+
+
+def record(path: Path = RECORDED) -> dict:
+    """Run every experiment on this machine's GPU and write them to `path`."""
+    if not _gpu_here():
+        raise SystemExit("recording needs a GPU that TensorFlow sees; none here")
+    data = {"environment": _environment_label(libraries=True), "experiments": {}}
+    for name in EXPERIMENTS:
+        print(f"== {name}", flush=True)
+        output, values = run_experiment(name, echo=True)
+        data["experiments"][name] = {"output": output, "values": values}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["record"]:
+        raise SystemExit("usage: python notebooks/gpu_experiments.py record [PATH]")
+    record(Path(sys.argv[2]) if len(sys.argv) > 2 else RECORDED)

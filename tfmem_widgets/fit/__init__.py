@@ -1,0 +1,1 @@
+"""What fits and what a fit holds: fresh processes, the batch search, the Keras callback."""

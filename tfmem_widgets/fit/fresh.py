@@ -1,0 +1,507 @@
+"""Run code in a new Python process, set up its own way: ``%%tfmem fresh`` / ``run_fresh``.
+
+TensorFlow's devices can be set up once per process, before its runtime starts. To compare
+setups (growth or not, two call orders, a 64 MB lab against a 256 MB one) without restarting
+the kernel, each one runs in a process of its own: a real IPython shell with the extension
+loaded, whose output is shown as it comes and whose named results come back (numbers, text,
+lists and dicts as they are; a ``Trace`` or ``Measurement`` as that object).
+
+The child starts as a reader's fresh kernel would: without the setup variables of this
+process (lab mode, growth, allocator), only with those the caller passes.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import FreshRunError, SetupError
+from ..tf.runtime import SETUP_ENV_VARS
+
+# TensorFlow's C++ start-up lines ("I0000 00:00:... cuda_dnn.cc:...]") and absl's notice come
+# before its log level applies; they say nothing about the cell.
+_NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] "
+                         r"|WARNING: All log messages before absl::InitializeLog\(\))")
+# What Python itself writes to stderr (a traceback, a warning), and this package's own lines (a
+# refusal said while the cell waits): never taken for a log line's tail.
+_PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b|tfmem[: ])")
+# The child ends as soon as its results are written: a thread the cell left running, or a slow
+# exit of TensorFlow's, cannot hold the results back until the timeout.
+_CHILD = ("import os, sys\nfrom tfmem_widgets.fit.fresh import _child_main\ncode = _child_main(sys.argv[1])\n"
+          "sys.stdout.flush(); sys.stderr.flush()\nos._exit(code)\n")
+
+
+@dataclass
+class FreshRun:
+    """What a fresh process left: its exit code, its output and the values it returned."""
+
+    returncode: int
+    output: str
+    values: dict[str, Any] = field(default_factory=dict)
+    stderr: str = ""
+
+    def __repr__(self) -> str:
+        names = ", ".join(self.values) or "nothing"
+        return f"FreshRun(exit {self.returncode}, returned {names})"
+
+
+def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] = ()) -> dict[str, str]:
+    """This process's environment without its setup variables, plus `env`: a fresh start.
+
+    The module path only grows: the folders in `path` and any PYTHONPATH in `env` come first,
+    then this package's location, then this process's own PYTHONPATH (where a cluster's
+    environment modules or a carried install put TensorFlow), so nothing the user had is lost.
+    """
+    child = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
+    from ..tracing.block import DUMP_ENV, owned_dump_prefix
+
+    from ..oom.watch import owned_prefix
+
+    if child.get(DUMP_ENV) is not None and child.get(DUMP_ENV) in (owned_dump_prefix(), owned_prefix()):
+        del child[DUMP_ENV]  # the trace's or the OOM watcher's dump place is this process's, not the child's
+    from ..tf import device_setup
+    from ..tf.runtime import ONEDNN_ENV
+
+    if device_setup.onednn_switched_off and child.get(ONEDNN_ENV) == "0":
+        del child[ONEDNN_ENV]  # this kernel's lab setup chose it; the child's setup chooses its own
+    extra = {str(k): str(v) for k, v in (env or {}).items()}
+    added = [str(folder) for folder in path] + extra.pop("PYTHONPATH", "").split(os.pathsep)
+    child.update(extra)
+    child["PYTHONUNBUFFERED"] = "1"  # lines appear as the child prints them
+    # The child imports this package from wherever this process does (an editable
+    # install, or a checkout on sys.path).
+    here = str(Path(__file__).resolve().parents[2])
+    folders = [*added, here, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    child["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(f for f in folders if f))
+    return child
+
+
+def without_native_logs(lines) -> str:
+    """The child's stderr without TensorFlow's C++ log lines (and their continuation lines)."""
+    kept, in_log = [], False
+    for line in lines:
+        if _NATIVE_LOG.match(line):
+            in_log = True
+        elif in_log and line.strip() and not _PYTHON_TEXT.match(line):
+            continue
+        else:
+            in_log = False
+            kept.append(line)
+    return "".join(kept)
+
+
+_SETUP_KEYS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
+# The environment variables each setup option writes: --env may not set them too.
+_SETUP_WRITES = {
+    "lab_mb": ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"),
+    "allocator": ("TF_GPU_ALLOCATOR",),
+    "force_growth": ("TF_FORCE_GPU_ALLOW_GROWTH",),
+    "reserve_mb": ("TF_DEVICE_MIN_SYS_MEMORY_IN_MB",),
+}
+_GRACE = 2.0  # seconds to drain output once the child has exited or been killed
+
+
+def _check_timeout(timeout) -> float | None:
+    import math
+    import numbers
+
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
+        raise SetupError(f"timeout must be a number of seconds, or None for no limit; got {timeout!r}.")
+    if timeout < 0.01:
+        raise SetupError(f"timeout must be at least 0.01 seconds (None: no limit); got {timeout!r}.")
+    return float(timeout)
+
+
+def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> dict | None:
+    """The setup and environment asked for, checked here before a process is started; returns the
+    setup as setup()'s keywords, normalized (plain ints, GPU indices as int keys)."""
+    if setup is None:
+        return None
+    if not isinstance(setup, Mapping):
+        raise SetupError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
+    unknown = [key for key in setup if key not in _SETUP_KEYS]
+    if unknown:
+        raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(_SETUP_KEYS)}.")
+    from ..tf.setup_rules import SetupRequest
+
+    request = SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
+    for key, names in _SETUP_WRITES.items():
+        clash = [name for name in names if setup.get(key) is not None and name in (env or {})]
+        if clash:
+            raise SetupError(f"{clash[0]} is set in env and by the setup option {key}: give one of them.")
+    return {key: value for key, value in vars(request).items() if value is not None}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The child and everything it started (its own process group)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.kill()
+
+
+def run_fresh(
+    code: str,
+    *,
+    setup: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    returns: Sequence[str] = (),
+    timeout: float | None = 600,
+    echo: bool = True,
+    path: Sequence[str] = (),
+) -> FreshRun:
+    """Run `code` (a cell: Python with %magics) in a new Python process and return its results.
+
+    setup:   keyword arguments for tfmem_widgets.setup() in the child, before the code runs
+             (None: no setup, TensorFlow as it starts by default)
+    env:     environment variables for the child (e.g. {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}); a
+             PYTHONPATH here is added in front of this process's, never replaces it
+    returns: names the code defines, brought back as FreshRun.values, equal to what they were
+             there (any value Python can pickle whose type this process can import; a Trace or a
+             Measurement); a TensorFlow tensor, or an object of a class the cell defined, is
+             refused in one line
+    timeout: seconds before the process, and every process it started, is killed (None: no limit)
+    echo:    print the child's output here as it comes
+    path:    folders to import from first in the child (e.g. where a module of the notebook's is)
+
+    Raises SetupError when the setup is refused (here or by the child), FreshRunError when the
+    code raises, a value cannot come back, or the process dies or runs past `timeout` seconds.
+
+    >>> run = run_fresh("import tensorflow as tf\\nx = tf.zeros((256,))\\npeak = ...",
+    ...                 setup={"lab_mb": 64}, returns=["peak"])
+    >>> run.values["peak"]
+    """
+    if not isinstance(code, str):
+        raise SetupError(f"code must be the cell's text, got {type(code).__name__}.")
+    if isinstance(returns, str):
+        raise SetupError(f"returns must be a list of names, got the text {returns!r}: use [{returns!r}].")
+    bad = [name for name in returns if not str(name).isidentifier()]
+    if bad:
+        raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
+    timeout = _check_timeout(timeout)
+    setup = _check_request(setup, env)
+    from ..oom.watch import DUMP_ENV, _dump_files
+
+    # mkdtemp, then try at once: an interrupt between the two cannot leave the folder (a
+    # TemporaryDirectory interrupted in its __enter__ is removed only when collected).
+    work = tempfile.mkdtemp(prefix="tfmem-fresh-")
+    try:
+        work_dir = Path(work)
+        # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
+        (work_dir / "job.pickle").write_bytes(pickle.dumps(
+            {"code": code, "setup": setup, "returns": list(returns)}))
+        environment = child_environment(env, path)
+        # The child's OOM dumps land in this call's folder (gone with it, even when the child is
+        # killed before its exit handlers run), unless the user chose a place of their own.
+        environment.setdefault(DUMP_ENV, str(work_dir / "dump"))
+        dumps_before = set(_dump_files(environment[DUMP_ENV]))
+        with open(work_dir / "stderr.txt", "w+b") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=stderr, env=environment,
+                start_new_session=True,  # its own process group: a timeout kills what it started too
+            )
+            try:
+                output, timed_out = _follow(proc, timeout, echo)
+            finally:  # Ctrl-C, an error here, or the end: nothing the child started outlives the call
+                _kill_group(proc)
+                proc.wait()
+                proc.stdout.close()
+            stderr.seek(0)
+            raw_errors = stderr.read().decode(errors="replace")
+            errors = without_native_logs(raw_errors.splitlines(keepends=True))
+        if errors and echo:
+            sys.stderr.write(errors)
+        result_file = work_dir / "result.json"
+        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        if "setup_error" in result:
+            raise SetupError(result["setup_error"])
+        if proc.returncode != 0 or "values" not in result:
+            if timed_out and "values" not in result:
+                why = f"ran past {timeout:g} s and was stopped, with every process it started"
+            elif "error" in result:
+                why = f"raised {result['error']}"
+            elif proc.returncode < 0:
+                why = f"was killed by {_signal_name(-proc.returncode)}"
+            else:
+                why = f"ended with exit code {proc.returncode}"
+            oom = None if timed_out else _oom_of_child(
+                work_dir, environment[DUMP_ENV], dumps_before, output + raw_errors, setup, why,
+                died="error" not in result)
+            if oom is not None:
+                from ..oom.watch import remember
+
+                remember(oom)
+                why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
+                        " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
+            error = FreshRunError(f"the fresh process {why}; its output is above.")
+            error.oom = oom
+            error.oom_shown = "error" in result  # the child's own shell showed its report
+            error.timed_out = timed_out
+            raise error
+        values = {name: _decode(name, work_dir) for name in result["values"]}
+        return FreshRun(proc.returncode, output, values, errors)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setup: Mapping | None, how: str,
+                  died: bool):
+    """The OOM a failed child met: the report its own shell made (with its limits and Keras
+    layers), or, when it died before making one, TensorFlow's dump it left, read here."""
+    from ..oom.report import failed_request, report_from_dump
+
+    made = work_dir / "oom.value"
+    if made.exists():
+        try:
+            report = pickle.loads(made.read_bytes())
+        except Exception:
+            report = None
+        if report is not None:
+            return _without_gone_path(report, work_dir)
+    if not died:
+        return None  # it raised something else: a refusal it got over is no OOM
+    from ..oom.watch import _dump_files
+
+    new = [p for p in _dump_files(prefix) if p not in before]
+    if not new:
+        return None
+    from ..tracing.dumps import load_memory_dump
+    from ..errors import TraceDataError
+
+    allocator, request, line, xla = failed_request(text)
+    path = ([p for p in new if allocator and os.path.basename(p).startswith(f"dump_{allocator}.")] or new)[-1]
+    try:
+        dump = load_memory_dump(path)
+    except TraceDataError:
+        return None
+    if request is None:
+        line = f"TensorFlow's dump of {dump.allocator}"
+    limit, source = _limit_of_setup(setup, dump.allocator)
+    report = report_from_dump(dump, line, request, xla=xla, dump_path=path, text=text, notes=(
+        f"the fresh process {how} before it could explain this OOM: TensorFlow's dump of it is read here, "
+        "without its Keras variables",))
+    from dataclasses import replace
+
+    if limit is not None:
+        report = replace(report, limit_bytes=limit, limit_source=source)
+    return _without_gone_path(report, work_dir)
+
+
+def _without_gone_path(report, work_dir: Path):
+    """A dump in the call's own folder is removed with it: the report does not point there."""
+    from dataclasses import replace
+
+    if report.dump_path and Path(report.dump_path).resolve().is_relative_to(work_dir.resolve()):
+        return replace(report, dump_path=None)
+    return report
+
+
+def _limit_of_setup(setup: Mapping | None, allocator: str) -> tuple[int | None, str]:
+    """The limit the child's setup gave the allocator a dump is of (a dump does not carry it)."""
+    from ..tf.runtime import LAB_ALLOCATOR_NAME
+    from ..units import MiB
+
+    setup = setup or {}
+    if allocator == LAB_ALLOCATOR_NAME and setup.get("lab_mb"):
+        return setup["lab_mb"] * MiB, "lab mode"
+    found = re.fullmatch(r"GPU_(\d+)_bfc", allocator)
+    limit = setup.get("limit_mb")
+    if found and limit is not None and not setup.get("split"):
+        mb = limit.get(int(found.group(1))) if isinstance(limit, Mapping) else limit
+        if mb:
+            return mb * MiB, "logical device limit"
+    return None, "unknown"
+
+
+def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[str, bool]:
+    """Show the child's output as it comes, until it ends; kill its group at the timeout.
+
+    The wait is bounded: a process it started that keeps the output open (in another session)
+    gets _GRACE seconds after the child has gone. Bytes that are not UTF-8 are replaced.
+    """
+    import codecs
+    import selectors
+    import time
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = proc.stdout.fileno()
+    pieces: list[str] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended_at = None
+    timed_out = False
+    # poll/epoll: any descriptor number (select() stops at 1024, which a long-lived kernel passes)
+    selector = selectors.DefaultSelector()
+    try:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            now = time.monotonic()
+            if deadline is not None and not timed_out and now >= deadline:
+                timed_out = True
+                _kill_group(proc)
+            if ended_at is None and proc.poll() is not None:
+                ended_at = now
+            if ended_at is not None and now - ended_at > _GRACE:
+                break
+            wait = 0.1 if deadline is None or timed_out else max(0.0, min(0.1, deadline - now))
+            if not selector.select(wait):
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            text = decoder.decode(data)
+            if text:
+                pieces.append(text)
+                if echo:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+    finally:
+        selector.close()
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        pieces.append(tail)
+        if echo:
+            sys.stdout.write(tail)
+    return "".join(pieces), timed_out
+
+
+# -- values on the way back ------------------------------------------------------------------
+
+def _refusal(obj) -> str | None:
+    """Why `obj` must not be sent back, or None."""
+    if isinstance(obj, type) or callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__"):
+        module = getattr(obj, "__module__", None) or ""
+        if module == "__main__":
+            return f"{getattr(obj, '__qualname__', obj)!s} is defined in the cell, so this kernel cannot rebuild it"
+        return None
+    module = type(obj).__module__ or ""
+    top = module.split(".")[0]
+    if top in ("tensorflow", "keras", "tf_keras"):
+        return (f"it holds a TensorFlow object ({type(obj).__name__}), which would start TensorFlow's runtime "
+                "in this kernel; bring back .numpy() of it, or plain numbers")
+    if module == "__main__":
+        return (f"it holds a {type(obj).__name__}, a class the cell defined, which this kernel cannot rebuild; "
+                "bring back its fields as plain values")
+    return None
+
+
+class _Pickler:
+    """pickle, refusing what would come back wrong (see _refusal)."""
+
+    @staticmethod
+    def dumps(value) -> bytes:
+        import io
+        import pickle
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, obj):
+                why = _refusal(obj)
+                if why is not None:
+                    raise _Refused(why)
+                return NotImplemented
+
+        buffer = io.BytesIO()
+        Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return buffer.getvalue()
+
+
+class _Refused(Exception):
+    pass
+
+
+def _encode(name: str, value: Any, work_dir: Path) -> None:
+    try:
+        data = _Pickler.dumps(value)
+    except _Refused as exc:
+        raise TypeError(f"cannot bring back {name}: {exc}") from None
+    except Exception as exc:
+        raise TypeError(f"cannot bring back {name} ({type(value).__name__}): it cannot be sent between processes "
+                        f"({type(exc).__name__}: {exc}); bring back numbers, text, containers, NumPy arrays, "
+                        "a Trace or a Measurement") from None
+    (work_dir / f"{name}.value").write_bytes(data)
+
+
+def _decode(name: str, work_dir: Path) -> Any:
+    import pickle
+
+    try:
+        return pickle.loads((work_dir / f"{name}.value").read_bytes())
+    except Exception as exc:
+        raise FreshRunError(f"cannot bring back {name}: this kernel cannot rebuild it "
+                            f"({type(exc).__name__}: {exc}).") from None
+
+
+def _child_main(work: str) -> int:
+    work_dir = Path(work)
+    job = pickle.loads((work_dir / "job.pickle").read_bytes())
+    result_file = work_dir / "result.json"
+
+    if job["setup"] is not None:
+        from ..tf.device_setup import setup
+
+        try:
+            setup(**job["setup"])
+        except SetupError as exc:
+            result_file.write_text(json.dumps({"setup_error": str(exc)}))
+            return 2
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance(colors="nocolor")
+    shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
+    shell.run_line_magic("load_ext", "tfmem_widgets")
+    from ..notebook import hazards
+    from ..oom import watch as oom_watch
+
+    oom_watch.say_refusals = False  # this process's stderr reaches the user only at its end
+    hazards.in_fresh_process = True
+    outcome = shell.run_cell(job["code"], store_history=False)
+    failure = outcome.error_before_exec or outcome.error_in_exec
+    if failure is not None:
+        report = oom_watch.last_oom()
+        if report is not None:  # explained here, where its limits and Keras layers are known
+            try:
+                (work_dir / "oom.value").write_bytes(_Pickler.dumps(report))
+            except Exception:
+                pass
+        result_file.write_text(json.dumps({"error": type(failure).__name__}))
+        return 1
+    for name in job["returns"]:
+        if name not in shell.user_ns:
+            print(f"{name} was not defined by the cell; nothing to bring back.")
+            result_file.write_text(json.dumps({"error": "NameError"}))
+            return 1
+        try:
+            _encode(name, shell.user_ns[name], work_dir)
+        except TypeError as exc:
+            print(exc)
+            result_file.write_text(json.dumps({"error": "TypeError"}))
+            return 1
+    result_file.write_text(json.dumps({"values": job["returns"]}))
+    sys.stdout.flush()
+    return 0

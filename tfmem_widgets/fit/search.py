@@ -1,0 +1,583 @@
+"""What will fit: the largest batch a Keras model trains with, found in fresh processes.
+
+``max_batch_size(build_model, make_batch)`` builds the model the user's way in a new process
+per probe (TensorFlow never gives its pool back inside a process, so a probe after an OOM would
+measure a used pool), runs a few train steps on one batch, and records the allocator's exact
+highest in-use figure, or the OOM. The functions travel by value (cloudpickle), so functions
+defined in a notebook work.
+
+The search grows the batch until one fails, each probe aimed at the edge a straight line through
+the peaks of the batches that trained predicts (peak = fixed + per example x batch; at least 1.25
+and at most 16 times the last), then halves the interval between the largest batch that trained
+and the smallest that failed above it (near the limit the peaks flatten and the line misaims). It
+stops when the edge is within `resolution` (a fraction of the batch), then probes once past the
+edge: near it fitting need not be monotone (regions and chunk rounding); a batch that trains above
+a failure is reported, and the recommended batch stays below every failure.
+
+Each probe runs `model.fit` over `steps` copies of the batch, as the user trains: on an H200,
+`train_on_batch` at 125,321 examples peaked at 14.89 GiB under a 16000 MB limit while `fit` at
+the same batch ran out of memory (Keras' input pipeline holds a batch on the device too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import pickle
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..errors import SetupError
+from ..text import LinesText
+from ..units import MiB, format_bytes
+
+GROWTH = 16  # the most a probe grows the batch before a failure is seen
+# Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
+# 3.69 GiB from a tf.data pipeline on the host and at 4.91 GiB from NumPy arrays, the whole x
+# (1.22 GiB) more; at the batch a 16 GB search recommended, the NumPy epoch ran out of memory and
+# the host pipeline's peaked at 85% of the limit.
+NUMPY_NOTE = ("the probes hold one batch; model.fit(x, y) with NumPy arrays also puts the whole arrays on the "
+              "device: feed a tf.data pipeline built on the host (with tf.device('CPU:0')), or leave room for them")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One fresh process: `batch` examples, `steps` train steps."""
+
+    batch: int
+    peak_bytes: int | None  # the allocator's highest in use during the steps; None: out of memory
+    seconds: float
+    verdict: str | None = None  # the OOM report's verdict
+    request_bytes: int | None = None  # the request that failed
+    died: str | None = None  # how the process ended when the OOM killed it (an XLA program's)
+    stage: str = "train"  # "build": build_model() itself ran out of memory
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes is not None
+
+
+@dataclass(repr=False)
+class BatchSearch(LinesText):
+    """The probes of a search and what they show. See max_batch_size."""
+
+    probes: list[Probe]
+    low: int
+    high: int
+    steps: int
+    margin: float
+    resolution: float
+    limit_bytes: int | None = None
+    limit_source: str = "unknown"
+    where: str = ""
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+    lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
+    _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
+
+    def probe(self, *batches: int) -> list[Probe]:
+        """More probes of the same functions and setup, each in a fresh process (a batch near the
+        edge, say); they join `probes`, so `largest`, `edge`, the plot and the warnings follow."""
+        if self._run is None:
+            raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
+        batches = [_check_int("batch", b, 1) for b in batches]
+        with self._probing() as probe_one:
+            return [probe_one(batch) for batch in batches]
+
+    @contextlib.contextmanager
+    def _probing(self):
+        """While the functions' file exists: a function that runs one probe in a fresh process set
+        up like the others and adds it to `probes`."""
+        from .fresh import FreshRunError, run_fresh
+
+        functions, setup, env, timeout = self._run
+        work = tempfile.mkdtemp(prefix="tfmem-batch-")
+        try:
+            path = Path(work) / "functions.pickle"
+            path.write_bytes(functions)
+
+            def probe_one(batch: int) -> Probe:
+                probe = _probe(run_fresh, FreshRunError, path, batch, self.steps, setup, env, timeout, self)
+                self.probes.append(probe)
+                return probe
+
+            yield probe_one
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    # -- what the probes show ------------------------------------------------------------
+    @property
+    def fitted(self) -> list[Probe]:
+        return sorted((p for p in self.probes if p.fits), key=lambda p: p.batch)
+
+    @property
+    def failed(self) -> list[Probe]:
+        return sorted((p for p in self.probes if not p.fits), key=lambda p: p.batch)
+
+    @property
+    def largest(self) -> int | None:
+        """The largest batch that trained."""
+        fitted = self.fitted
+        return fitted[-1].batch if fitted else None
+
+    @property
+    def first_failure(self) -> int | None:
+        """The smallest batch above `largest` that ran out of memory (None: none was tried)."""
+        largest = self.largest or 0
+        above = [p.batch for p in self.failed if p.batch > largest]
+        return min(above) if above else None
+
+    @property
+    def edge(self) -> tuple[int | None, int | None]:
+        """(the largest batch that trained below every failure, the smallest failure): where
+        fitting was lost first. Equal to (largest, first_failure) when fitting is monotone."""
+        failures = [p.batch for p in self.failed]
+        lowest = min(failures) if failures else None
+        below = [p.batch for p in self.fitted if lowest is None or p.batch < lowest]
+        return (max(below) if below else None), lowest
+
+    @property
+    def monotone(self) -> bool:
+        """False when a batch trained although a smaller one ran out of memory."""
+        return not self.not_monotone
+
+    @property
+    def not_monotone(self) -> list[tuple[int, int]]:
+        """(failed batch, larger batch that trained) pairs."""
+        fitted = [p.batch for p in self.fitted]
+        return [(f.batch, max(b for b in fitted if b > f.batch)) for f in self.failed
+                if any(b > f.batch for b in fitted)]
+
+    def peak_model(self) -> tuple[float, float] | None:
+        """(fixed bytes, bytes per example) of a straight line through the peaks of the batches
+        that trained (least squares); None with fewer than two."""
+        points = [(p.batch, p.peak_bytes) for p in self.fitted]
+        if len({b for b, _ in points}) < 2:
+            return None
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_p = sum(p for _, p in points) / n
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        if spread == 0:
+            return None
+        slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / spread
+        if slope <= 0:
+            return None
+        return mean_p - slope * mean_b, slope
+
+    def needs_bytes(self, batch: int) -> int | None:
+        """The peak the line predicts for `batch` (None without a line)."""
+        model = self.peak_model()
+        return None if model is None else int(model[0] + model[1] * batch)
+
+    def batch_for(self, limit_bytes: int) -> int | None:
+        """The largest batch whose predicted peak fits `limit_bytes` (None without a line), bounded
+        by what was measured: at the search's own limit the largest batch below every failure; under
+        it, never more (what failed there fails under less); above it, never less."""
+        line = self._line_batch(limit_bytes)
+        measured, failure = self.edge
+        if line is None or self.limit_bytes is None or measured is None:
+            return line
+        if limit_bytes >= self.limit_bytes:
+            return measured if (limit_bytes == self.limit_bytes and failure is not None) else max(line, measured)
+        return min(line, measured) if failure is not None else line
+
+    def _line_batch(self, limit_bytes: int) -> int | None:
+        """Where the line through the peaks meets `limit_bytes` (what the search aims at)."""
+        model = self.peak_model()
+        if model is None:
+            return None
+        return max(0, int((limit_bytes - model[0]) // model[1]))
+
+    @property
+    def recommended(self) -> int | None:
+        """The largest batch that trained below every failure; with a margin, the largest batch a
+        probe measured (it trained) whose peak left `margin` of the limit free, below every failure.
+        Measured, not read off the line: near the edge a batch the line puts 10% under the limit
+        ran out of memory in lab mode, and a batch that trained once failed in the next process."""
+        largest = self.edge[0]
+        if largest is None or self.margin == 0:
+            return largest
+        if self.limit_bytes is None:
+            return max(self.low, int(largest * (1 - self.margin)))
+        budget = self.limit_bytes * (1 - self.margin)
+        within = [p.batch for p in self.fitted if p.batch <= largest and p.peak_bytes <= budget]
+        return max(within) if within else None
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.probes)
+
+    # -- text -------------------------------------------------------------------------------
+    def lines(self) -> list[str]:
+        head = f"tfmem batch search: {self.where}, {self.steps} train step{'s' if self.steps != 1 else ''} a probe"
+        if self.limit_bytes is not None:
+            head += f", limit {format_bytes(self.limit_bytes)} ({self.limit_source})"
+        out = [head]
+        largest = self.largest
+        safe, failure = self.edge
+        if largest is None:
+            out.append(f"  nothing trained: a batch of {self.low} ran out of memory")
+        else:
+            rec = self.recommended
+            out.append(f"  largest batch that trained: {largest:,}"
+                       + (f"; below every failure: {safe:,}" if safe != largest and safe is not None else "")
+                       + (f"; recommended, its measured peak leaving {self.margin:.0%} of the limit free: {rec:,}"
+                          if self.margin and rec is not None else "")
+                       + (f"; no probe's peak left {self.margin:.0%} of the limit free" if self.margin and rec is None
+                          else ""))
+            largest = safe if safe is not None else largest
+            if failure is not None and failure > largest:
+                step = max(1, math.ceil(largest * self.resolution))
+                out.append(f"  edge: {largest:,} trained, {failure:,} ran out of memory "
+                           f"({failure - largest:,} apart; resolution {self.resolution:.0%} = {step:,} examples)")
+            elif largest >= self.high:
+                out.append(f"  the highest batch asked for ({self.high:,}) trained: the edge is above it")
+        model = self.peak_model()
+        if model is not None:
+            out.append(f"  peak = {format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example "
+                       "(a line through the batches that trained)")
+        out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in {self.seconds:.0f} s, "
+                   "each in a fresh process:")
+        for p in self.probes:
+            if p.fits:
+                what = f"trained, peak {format_bytes(p.peak_bytes)}"
+            else:
+                what = "out of memory" + (f" ({p.verdict}" + (f", request {format_bytes(p.request_bytes)}"
+                                                               if p.request_bytes else "") + ")" if p.verdict else "")
+                if p.died:
+                    what += f"; the process {p.died}"
+            out.append(f"    batch {p.batch:>8,}: {what} ({p.seconds:.1f} s)")
+        for failed, trained in self.not_monotone:
+            out.append(f"  warning: not monotone: {trained:,} trained although {failed:,} ran out of memory: near "
+                       "the edge the allocator's regions and chunk rounding decide; keep a margin")
+        if self.interrupted:
+            out.append("  interrupted: the search stopped with the probes above")
+        if largest is not None:
+            out.append(f"  note: {NUMPY_NOTE}")
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+    # -- picture -----------------------------------------------------------------------------
+    def plot(self, ax=None, pick: int | None = None):
+        """Peak against batch: the batches that trained, the failures (at the limit, red x),
+        the limit, the line through the peaks, and, with `pick`, the limit that batch needs."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 4.2))
+        fitted, failed = self.fitted, self.failed
+        if fitted:
+            ax.plot([p.batch for p in fitted], [p.peak_bytes / MiB for p in fitted], "o", color="#1f77b4",
+                    label="trained: the allocator's peak")
+        top = self.limit_bytes / MiB if self.limit_bytes else max([p.peak_bytes / MiB for p in fitted] or [1])
+        if failed:
+            ax.plot([p.batch for p in failed], [top] * len(failed), "x", color="#d62728", markersize=9,
+                    label="out of memory")
+        if self.limit_bytes:
+            ax.axhline(top, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(self.limit_bytes)}")
+        model = self.peak_model()
+        right = max([p.batch for p in self.probes] + [1])
+        if model is not None:
+            ax.plot([0, right], [model[0] / MiB, (model[0] + model[1] * right) / MiB], "--", color="#888",
+                    linewidth=1, label="peak = fixed + per example x batch")
+        if pick is not None and model is not None:
+            need = self.needs_bytes(pick)
+            ax.plot([pick], [need / MiB], "s", color="#ff7f0e", label=f"batch {pick:,} needs {format_bytes(need)}")
+        ax.set_xlabel("batch (examples)")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"largest batch that trained: {self.largest:,}" if self.largest else "nothing trained")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
+        return ax
+
+
+# -- the search ----------------------------------------------------------------------------
+
+def _check_int(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise SetupError(f"max_batch_size: {name} must be a whole number of at least {least}, got {value!r}.")
+    return int(value)
+
+
+def _check_fraction(name: str, value, top: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < top \
+            or not math.isfinite(value):
+        raise SetupError(f"max_batch_size: {name} must be a number from 0 to under {top:g}, got {value!r}.")
+    return float(value)
+
+
+def _where(setup: Mapping | None) -> str:
+    setup = setup or {}
+    if setup.get("lab_mb"):
+        return f"lab mode {setup['lab_mb']} MB, CPU kernels (a GPU's workspaces differ)"
+    if setup.get("limit_mb"):
+        limit = setup["limit_mb"]
+        size = limit if not isinstance(limit, Mapping) else ", ".join(f"GPU {k}: {v}" for k, v in limit.items())
+        return f"as if on a card of {size} MB (a logical device limit)"
+    return "the default device, set up by TensorFlow's defaults"
+
+
+_PROBE_CODE = """
+from tfmem_widgets.fit.search import _run_probe
+probe = _run_probe({path!r}, {batch}, {steps})
+"""
+
+
+def _examples(data) -> tuple[int | None, str]:
+    """How many examples a batch (x, y) or x holds, and x's shape for a message."""
+    x = data[0] if isinstance(data, (tuple, list)) and data else data
+    if isinstance(x, Mapping):
+        x = next(iter(x.values()), None)
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) == 0:
+        return None, f"a {type(x).__name__}"
+    return int(shape[0]), f"x of shape {tuple(int(d) for d in shape)}"
+
+
+def _run_probe(path: str, batch: int, steps: int) -> dict:
+    """In the probe's process: build, make the batch, fit `steps` steps of it, measure."""
+    build_model, make_batch = pickle.loads(Path(path).read_bytes())
+    import tensorflow as tf  # after the setup, which ran first
+
+    from ..readings.measure import measure
+    from ..oom.report import is_oom, limits_for
+    from ..oom.watch import explain_oom
+
+    try:
+        model = build_model()
+    except Exception as exc:
+        if is_oom(exc):  # the model alone does not fit
+            report = explain_oom(exc)
+            return {"oom": True, "stage": "build", "verdict": report.verdict, "request": report.request_bytes,
+                    "limit": report.limit_bytes, "limit_source": report.limit_source, "seconds": 0.0}
+        return {"error": f"build_model() raised {type(exc).__name__}: {_first_line(exc)}"}
+    if not hasattr(model, "train_on_batch"):
+        return {"error": f"build_model() returned a {type(model).__name__}, not a compiled Keras model"}
+    try:
+        data = make_batch(batch)
+    except Exception as exc:
+        return {"error": f"make_batch({batch}) raised {type(exc).__name__}: {_first_line(exc)}"}
+    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+        return {"error": f"make_batch({batch}) returned a {type(data).__name__}; it must return (x, y)"}
+    count, shape = _examples(data)
+    if count != batch:
+        return {"error": f"make_batch({batch}) returned {count if count is not None else 'no'} examples ({shape}); "
+                         f"it must return exactly {batch}"}
+    started = time.perf_counter()
+    result: dict[str, Any] = {}
+    try:
+        # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
+        # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
+        # a 16000 MB limit, fit at the same batch ran out of memory).
+        steps_data = tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
+        with measure() as m:
+            model.fit(steps_data, epochs=1, verbose=0)
+        result.update(peak=m.highest_bytes, device=m.device)
+    except Exception as exc:
+        if not is_oom(exc):
+            return {"error": f"the train step at batch {batch} raised {type(exc).__name__}: {_first_line(exc)}"}
+        report = explain_oom(exc)
+        result.update(oom=True, verdict=report.verdict, request=report.request_bytes, allocator=report.allocator)
+        del exc
+    result["seconds"] = time.perf_counter() - started
+    allocator = result.get("allocator") or ("bfc_cpu_allocator_for_gpu" if str(result.get("device", "")).startswith("CPU")
+                                            else "GPU_0_bfc")
+    limit, source, _, _ = limits_for(allocator)
+    result.update(limit=limit, limit_source=source)
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+class _Progress:
+    """A bar in a notebook, a line per probe elsewhere; silent when off."""
+
+    def __init__(self, mode, most: int):
+        self.mode = mode
+        self.bar = self.label = None
+        if mode is None:
+            try:
+                from IPython import get_ipython
+
+                shell = get_ipython()
+                mode = "bar" if shell is not None and type(shell).__name__ == "ZMQInteractiveShell" else "lines"
+            except ImportError:
+                mode = "lines"
+        self.mode = mode if mode else "off"
+        if self.mode == "bar":
+            import ipywidgets as w
+            from IPython.display import display
+
+            self.bar = w.IntProgress(value=0, min=0, max=most, description="probes")
+            self.label = w.Label("starting the first probe")
+            display(w.HBox([self.bar, self.label]))
+
+    def probing(self, count: int, batch: int) -> None:
+        if self.mode == "bar":
+            self.label.value = f"probe {count}: batch {batch:,} ..."
+
+    def probed(self, count: int, probe: Probe) -> None:
+        what = f"trained, peak {format_bytes(probe.peak_bytes)}" if probe.fits else "out of memory"
+        line = f"probe {count}: batch {probe.batch:,} {what} ({probe.seconds:.1f} s)"
+        if self.mode == "bar":
+            self.bar.value = count
+            self.label.value = line
+        elif self.mode == "lines":
+            print(f"tfmem batch: {line}", flush=True)
+
+    def done(self, search: BatchSearch) -> None:
+        if self.mode == "bar":
+            self.bar.max = max(self.bar.value, 1)
+            self.bar.bar_style = "warning" if search.interrupted else "success"
+            self.label.value = (f"{len(search.probes)} probes: largest batch that trained "
+                                f"{search.largest:,}" if search.largest else "nothing trained")
+
+
+def _next_batch(search: BatchSearch, past: list[int]) -> int | None:
+    """The next batch to probe, or None when the edge is known to the resolution.
+
+    Before a failure: the edge the line through the peaks predicts, at least 1.25 and at most
+    GROWTH times the largest batch that trained. After one: the middle of the interval (near the
+    limit the peaks flatten, so the line misaims there), then one probe past the edge (`past`
+    holds it once made): if that trains, fitting is not monotone here and the search stops."""
+    if past:
+        return None
+    largest, failure = search.largest, search.first_failure
+    if largest is None:
+        return None
+    if failure is None:
+        if largest >= search.high:
+            return None
+        grow = largest * GROWTH
+        edge = search._line_batch(search.limit_bytes) if search.limit_bytes else None
+        if edge is not None:
+            grow = min(grow, max(edge, math.ceil(largest * 1.25)))
+        return min(search.high, max(grow, largest + 1))
+    step = max(1, math.ceil(largest * search.resolution))
+    if failure - largest <= step:
+        beyond = min(search.high, failure + 4 * step)
+        if beyond > failure and beyond not in {p.batch for p in search.probes}:
+            past.append(beyond)
+            return beyond
+        return None
+    middle = math.isqrt(largest * failure) if failure > 4 * largest else (largest + failure) // 2
+    return middle if largest < middle < failure else None
+
+
+def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], Any], *,
+                   setup: Mapping[str, Any] | None = None, low: int = 1, high: int = 65536, steps: int = 2,
+                   margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
+                   max_probes: int = 16, progress: str | bool | None = None,
+                   env: Mapping[str, str] | None = None) -> BatchSearch:
+    """The largest batch `build_model()`'s model trains with, each probe in a fresh process.
+
+    build_model: returns a compiled Keras model (XLA as you compile it).
+    make_batch:  make_batch(n) returns one batch (x, y) of exactly n examples.
+    setup:       tfmem_widgets.setup() options for every probe's process, e.g. {"lab_mb": 256}
+                 (lab mode: CPU kernels) or {"limit_mb": 16000} (as if on a card of 16 GB).
+    low, high:   the batches searched between; steps: train steps a probe runs.
+    margin:      the fraction of the limit `recommended` leaves free.
+    resolution:  the search stops when the edge is known within this fraction of the batch.
+    probe_timeout: seconds before a probe, and every process it started, is stopped.
+    progress:    None: a bar in a notebook, a line per probe elsewhere; "lines"; False: silent.
+    env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}:
+                 on a GPU, XLA's GEMM autotuner makes an XLA step past the edge wait (refused scratch,
+                 10 s a refusal) for minutes instead of raising.
+
+    Ctrl-C stops the probe in flight and returns what the probes so far show.
+    """
+    from .fresh import _check_request, _check_timeout
+
+    if not callable(build_model) or not callable(make_batch):
+        bad = "build_model" if not callable(build_model) else "make_batch"
+        raise SetupError(f"max_batch_size: {bad} must be a function, got {type(locals()[bad]).__name__}.")
+    low, high = _check_int("low", low, 1), _check_int("high", high, 1)
+    if low > high:
+        raise SetupError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
+    steps = _check_int("steps", steps, 1)
+    max_probes = _check_int("max_probes", max_probes, 2)
+    margin = _check_fraction("margin", margin, 1)
+    resolution = _check_fraction("resolution", resolution, 0.5)
+    if resolution == 0:
+        raise SetupError("max_batch_size: resolution must be above 0 (a fraction of the batch, e.g. 0.01).")
+    timeout = _check_timeout(probe_timeout)
+    setup = _check_request(setup, env)
+    env = {str(k): str(v) for k, v in (env or {}).items()}
+    if progress not in (None, False, "lines", "bar"):
+        raise SetupError(f"max_batch_size: progress must be None, False, 'lines' or 'bar', got {progress!r}.")
+    try:
+        import cloudpickle
+
+        functions = cloudpickle.dumps((build_model, make_batch))
+    except Exception as exc:
+        raise SetupError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
+                         f"({type(exc).__name__}: {_first_line(exc)}); define them at the top level of a cell "
+                         "or a module.") from None
+
+    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
+                         lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
+    bar = _Progress(progress, max_probes)
+    past: list[int] = []
+    with search._probing() as probe_one:
+        batch: int | None = low
+        try:
+            while batch is not None and len(search.probes) < max_probes:
+                bar.probing(len(search.probes) + 1, batch)
+                probe = probe_one(batch)
+                bar.probed(len(search.probes), probe)
+                if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
+                    what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
+                            else f"a batch of {low:,} does not fit")
+                    raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
+                                     f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
+                                     f"; {search.where}): raise the limit or make the model smaller.")
+                batch = _next_batch(search, past)
+        except KeyboardInterrupt:
+            search.interrupted = True
+        if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
+            within = search.first_failure is not None and search.largest is not None and \
+                search.first_failure - search.largest <= max(1, math.ceil(search.largest * resolution))
+            search.notes.append(f"stopped at max_probes={max_probes} " + (
+                "before the probe past the edge" if within else "before the edge was within the resolution"))
+    if search.largest is not None and not search.failed and search.largest < high and not search.interrupted:
+        search.notes.append("no probe ran out of memory")
+    if past and any(p.batch == past[0] for p in search.fitted):
+        search.notes.append(f"the probe past the edge ({past[0]:,}) trained: fitting is not monotone here; above it "
+                            "was not searched, and the recommended batch stays below every failure")
+    bar.done(search)
+    return search
+
+
+def _probe(run_fresh, FreshRunError, path: Path, batch: int, steps: int, setup, env, timeout,
+           search: BatchSearch) -> Probe:
+    started = time.perf_counter()
+    code = _PROBE_CODE.format(path=str(path), batch=batch, steps=steps)
+    try:
+        run = run_fresh(code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False)
+    except FreshRunError as exc:
+        seconds = time.perf_counter() - started
+        oom = getattr(exc, "oom", None)
+        if oom is not None:  # the OOM ended the process (an XLA program's): its dump was read
+            died = str(exc).split("the fresh process ", 1)[-1].split(" after", 1)[0]
+            return Probe(batch, None, seconds, oom.verdict, oom.request_bytes, died=died)
+        if getattr(exc, "timed_out", False):
+            raise SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
+                             "with every process it started; raise probe_timeout or lower high.") from None
+        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: {exc}") from None
+    value = run.values["probe"]
+    if "error" in value:
+        raise SetupError(f"max_batch_size: {value['error']}.")
+    if value.get("limit") is not None and search.limit_bytes is None:
+        search.limit_bytes, search.limit_source = value["limit"], value["limit_source"]
+    if value.get("oom"):
+        return Probe(batch, None, time.perf_counter() - started, value["verdict"], value["request"],
+                     stage=value.get("stage", "train"))
+    return Probe(batch, int(value["peak"]), time.perf_counter() - started)

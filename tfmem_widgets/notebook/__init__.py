@@ -1,0 +1,1 @@
+"""The notebook layer: magics, cell hooks, hazards said before a cell, the fresh child's shell, widgets. The only layer that imports IPython or ipywidgets."""

@@ -1,0 +1,68 @@
+"""Lab-mode OOMs that kill the process, said before the cell runs.
+
+Measured with TensorFlow 2.21 on the CPU's BFC allocator (lab mode):
+- an XLA program (``jit_compile=True``) that runs out of memory raises, then TensorFlow aborts
+  while freeing a buffer (``bfc_allocator.cc:711 Check failed: h != kInvalidChunkHandle``);
+- with oneDNN's kernels on (the x86 Linux default), an OOM inside a oneDNN fused kernel (a
+  Dense layer's matmul + bias in a tf.function or a Keras fit) is a segmentation fault.
+In a notebook either one kills the kernel. ``%tfmem setup --lab N`` made before TensorFlow is
+imported turns oneDNN off; XLA has no such switch: such a cell belongs in ``%%tfmem fresh``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from ..tf.runtime import lab_setting, onednn_enabled, setup_env
+
+_XLA_IN_CELL = re.compile(r"jit_compile\s*=\s*(True|['\"]auto['\"]|1)\b|experimental_compile\s*=\s*True")
+_KERAS_WORK = re.compile(r"\.fit\s*\(|\.train_on_batch\s*\(|\.evaluate\s*\(|\.predict\s*\(|tf\.function|"
+                         r"@function\b|keras\.")
+_FRESH_CALL = re.compile(r"\brun_fresh\s*\(")
+_said: set[str] = set()
+in_fresh_process = False  # a %%tfmem fresh child: what kills it is explained by the kernel that started it
+
+XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory aborts the whole process "
+              "(TensorFlow's bfc_allocator.cc:711 check fails while freeing a buffer), so a kernel running it "
+              "dies; run the cell with %%tfmem fresh (its own process), or compile with jit_compile=False")
+ONEDNN_HAZARD = ("lab mode with oneDNN's kernels on: an OOM inside a oneDNN fused kernel (a Dense layer in a "
+                 "tf.function or a Keras fit) is a segmentation fault that kills the kernel; run %tfmem setup --lab N "
+                 "before importing TensorFlow (it turns oneDNN off), or run the cell with %%tfmem fresh")
+
+
+def lab_mode_in_force() -> bool:
+    if "tensorflow" not in sys.modules:
+        return False
+    return lab_setting(setup_env()).enabled
+
+
+def _xla_models() -> bool:
+    """A Keras model in the user's namespace that compiles (or compiled) its step with XLA."""
+    from ..oom.layers import _keras_objects, user_namespace
+
+    models, _ = _keras_objects(user_namespace())
+    return any(getattr(m, "jit_compile", False) is True for m in models)
+
+
+def hazards_for(cell: str) -> list[str]:
+    """The lab-mode hazards a cell about to run meets, as one line each."""
+    if not lab_mode_in_force():
+        return []
+    found = []
+    if _XLA_IN_CELL.search(cell) or (_KERAS_WORK.search(cell) and _xla_models()):
+        found.append(XLA_HAZARD)
+    if onednn_enabled() and _KERAS_WORK.search(cell):
+        found.append(ONEDNN_HAZARD)
+    return found
+
+
+def warn_before_cell(cell: str) -> None:
+    """pre_run_cell: each hazard said once per session, before the first cell that meets it."""
+    if in_fresh_process or cell.lstrip().startswith("%%tfmem fresh") or _FRESH_CALL.search(cell):
+        return  # that cell already runs its work in a process of its own
+    for line in hazards_for(cell):
+        if line in _said:
+            continue
+        _said.add(line)
+        print(f"tfmem warning: {line}.", file=sys.stderr)

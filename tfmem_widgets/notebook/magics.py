@@ -1,0 +1,438 @@
+"""%tfmem and %%tfmem: thin argument parsing around the core; results are objects."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.utils.process import arg_split
+
+from ..tf.device_setup import setup
+from ..errors import SetupError
+from ..readings.measure import measure
+from ..readings.report import report
+from ..tf.setup_rules import (
+    ALLOCATORS,
+    parse_count,
+    parse_gpus,
+    parse_limit,
+    parse_mb,
+    parse_mb_or_zero,
+    parse_split,
+)
+from ..tracing.block import trace
+
+def _typed(parse):
+    """A setup_rules parser as an argparse type: its refusal becomes the option's error."""
+
+    def parse_text(text: str):
+        try:
+            return parse(text)
+        except SetupError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_text.__name__ = parse.__name__
+    return parse_text
+
+
+_mb, _count, _mb_or_zero = _typed(parse_mb), _typed(parse_count), _typed(parse_mb_or_zero)
+_limit, _split, _gpus = _typed(parse_limit), _typed(parse_split), _typed(parse_gpus)
+
+
+def _seconds(text: str) -> float:
+    """A gauge's interval: the sampler's rule (check_interval)."""
+    from ..readings.sampler import check_interval
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    try:
+        return check_interval(value)
+    except SetupError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def _window(text: str) -> float:
+    """The recorder's window: its rule (check_window)."""
+    from ..tracing.recorder import check_window
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    try:
+        return check_window(value)
+    except SetupError:
+        raise argparse.ArgumentTypeError(f"expected seconds between 1 and 3600, got {text!r}") from None
+
+
+def _fresh_timeout(text: str) -> float | None:
+    """Seconds, or 'none' for no limit (a long training cell)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0.01):
+        raise argparse.ArgumentTypeError(f"expected at least 0.01 seconds, or 'none' for no limit, got {text!r}")
+    return value
+
+
+class _Once(argparse.Action):
+    """An option given twice is refused, not silently the last one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given twice: give it once")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
+def _add_setup_arguments(s):
+    """The options of %tfmem setup (also those of %%tfmem fresh)."""
+    s.add_argument("--lab", type=_mb, action=_Once, metavar="MB", dest="lab_mb",
+                   help="lab mode: TensorFlow's CPU allocator becomes its BFC allocator with this limit")
+    growth = s.add_mutually_exclusive_group()
+    growth.add_argument("--growth", action="store_const", const=True, dest="growth",
+                        help="memory growth on every visible GPU (tf.config)")
+    growth.add_argument("--no-growth", action="store_const", const=False, dest="growth",
+                        help="preallocate (TensorFlow's default)")
+    s.add_argument("--force-growth", action="store_const", const=True, dest="force_growth",
+                   help="TF_FORCE_GPU_ALLOW_GROWTH=true: growth that also works with --limit/--split")
+    s.add_argument("--limit", type=_limit, action=_Once, metavar="MB|GPU=MB,...", dest="limit_mb",
+                   help="memory limit for every visible GPU, or per GPU (0=4096,1=2048)")
+    s.add_argument("--split", type=_split, action=_Once, metavar="N|MB,MB,...",
+                   help="logical devices per GPU: a count (divides the limit) or sizes in MB")
+    s.add_argument("--gpus", type=_gpus, action=_Once, metavar="0,1|none", help="the GPUs TensorFlow may use")
+    s.add_argument("--allocator", action=_Once, choices=list(ALLOCATORS), help="TF_GPU_ALLOCATOR")
+    s.add_argument("--reserve", type=_mb_or_zero, action=_Once, metavar="MB", dest="reserve_mb",
+                   help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
+    s.add_argument("--cpus", type=_count, action=_Once, metavar="N", help="split the CPU into N logical devices")
+
+
+def _env_assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [name for name in names if not name.isidentifier()]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected Python names separated by commas, got {text!r}")
+    return names
+
+
+def _parsers():
+    line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel,record,oom}")
+    commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
+    watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
+    watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
+    watch.add_argument("--interval", type=_seconds, action=_Once, default=0.5, metavar="S", help="seconds between readings")
+    watch.add_argument("-d", "--device", action=_Once, default=None, help="only this device (e.g. GPU:0)")
+    panel = commands.add_parser("panel", help="the device setup panel")
+    panel.add_argument("--search", action=_Once, default=None, metavar="NAME",
+                       help="a variable holding a batch search: the panel shows what fits at the chosen limit")
+    rec = commands.add_parser("record", help="record allocator events (host tracer only) so the next OOM names "
+                                             "every chunk's op and layer (record stop: stop)")
+    rec.add_argument("action", nargs="?", choices=["stop"], help="stop recording")
+    rec.add_argument("--window", type=_window, action=_Once, default=10.0, metavar="S",
+                     help="seconds per profiler window (1-3600; default 10)")
+    commands.add_parser("oom", help="the last OOM's report again")
+    s = commands.add_parser(
+        "setup",
+        help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
+        description="Without options and without a GPU: lab mode, 1024 MB.",
+    )
+    _add_setup_arguments(s)
+
+    cell = MagicArgumentParser(
+        prog="%tfmem",
+        description="Run the cell and report the exact peak and net change of TensorFlow's allocator.",
+    )
+    cell.add_argument("mode", nargs="?", choices=["trace"],
+                      help="trace: record every allocation of the cell (memory map, OOM dump)")
+    cell.add_argument("--keep", action=_Once, metavar="DIR", help="trace: keep the profiler's files in DIR")
+    cell.add_argument("--plot", action="store_true", help="trace: draw the memory map and the timeline")
+    cell.add_argument("-d", "--device", action=_Once, default=None,
+                      help="the device to measure, e.g. GPU:0 or CPU:0 (default: first GPU, else CPU)")
+    cell.add_argument("-o", dest="output", action="store_true", help="return the Measurement")
+    cell.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
+    cell.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the Measurement in NAME")
+
+    fresh = MagicArgumentParser(
+        prog="%%tfmem fresh",
+        description="Run the cell in a new Python process set up with these options (none: TensorFlow's "
+                    "defaults); its output is shown here and the names in -r come back.",
+    )
+    fresh.add_argument("mode", choices=["fresh"])
+    _add_setup_arguments(fresh)
+    fresh.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
+                       help="an environment variable for the new process (repeatable)")
+    fresh.add_argument("--path", action="append", default=[], metavar="DIR",
+                       help="a folder to import from first in the new process (repeatable); the kernel's "
+                            "PYTHONPATH is kept, and a PYTHONPATH given with --env adds to it")
+    fresh.add_argument("-r", dest="returns", type=_names, action="append", default=[], metavar="NAME,NAME",
+                       help="names the cell defines, brought back into this kernel (repeatable)")
+    fresh.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
+                       help="stop the process (and what it started) after S seconds (default 600; none: no limit)")
+    batch = MagicArgumentParser(
+        prog="%%tfmem batch",
+        description="The largest batch the cell's build_model() trains with: the cell defines build_model() "
+                    "(a compiled Keras model) and make_batch(n) (one batch (x, y) of n examples); each probe "
+                    "runs in a new process set up with these options.",
+    )
+    batch.add_argument("mode", choices=["batch"])
+    _add_setup_arguments(batch)
+    batch.add_argument("--low", type=_count, action=_Once, default=1, metavar="N", help="the smallest batch (default 1)")
+    batch.add_argument("--high", type=_count, action=_Once, default=65536, metavar="N",
+                       help="the largest batch (default 65536)")
+    batch.add_argument("--steps", type=_count, action=_Once, default=2, metavar="K",
+                       help="train steps a probe runs (default 2)")
+    batch.add_argument("--margin", type=_fraction, action=_Once, default=0.0, metavar="F",
+                       help="the fraction of the limit the recommended batch leaves free (default 0)")
+    batch.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
+                       help="stop a probe (and what it started) after S seconds (default 600)")
+    batch.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
+                       help="an environment variable for every probe (repeatable)")
+    batch.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the BatchSearch in NAME")
+    return line, cell, fresh, batch
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}")
+    return value
+
+
+_LINE_PARSER, _CELL_PARSER, _FRESH_PARSER, _BATCH_PARSER = _parsers()
+_SETUP_OPTIONS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
+
+
+def _parse(parser: MagicArgumentParser, text: str):
+    try:
+        # Split as a shell would on POSIX: --keep "/a folder" is the folder, without its quotes.
+        try:
+            argv = arg_split(text, posix=os.name == "posix", strict=True)
+        except ValueError as exc:
+            raise UsageError(f"cannot split the options ({exc})") from None
+        args = parser.parse_args(argv)
+        args.__dict__.pop("_given", None)
+        return args
+    except UsageError as exc:
+        magic = {id(_LINE_PARSER): "%tfmem", id(_FRESH_PARSER): "%%tfmem fresh",
+                 id(_BATCH_PARSER): "%%tfmem batch"}.get(id(parser), "%%tfmem")
+        raise UsageError(f"{magic}: {exc}. See %tfmem? for the options.") from None
+
+
+@magics_class
+class TfmemMagics(Magics):
+    @line_cell_magic
+    def tfmem(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._line(line)
+        return self._cell(line, cell)
+
+    def _line(self, line: str):
+        args = _parse(_LINE_PARSER, line)
+        try:
+            if args.command in (None, "report"):
+                return report()
+            if args.command == "watch":
+                return self._watch(args)
+            if args.command == "panel":
+                from .widgets import SetupPanel
+
+                search = None
+                if args.search is not None:
+                    if args.search not in self.shell.user_ns:
+                        raise SetupError(f"%tfmem panel --search: no variable {args.search!r} here; run "
+                                         "%%tfmem batch -v NAME (or max_batch_size) first.")
+                    search = self.shell.user_ns[args.search]
+                return SetupPanel(search=search)
+            if args.command == "record":
+                from ..tracing import recorder
+
+                if args.action == "stop":
+                    stopped = recorder.stop()
+                    print("the recorder was not running" if stopped is None else repr(stopped))
+                    return None
+                return recorder.record(args.window)
+            if args.command == "oom":
+                from ..oom.watch import last_oom
+
+                found = last_oom()
+                if found is None:
+                    print("no OOM explained in this process yet")
+                return found
+            return setup(**{name: getattr(args, name) for name in _SETUP_OPTIONS})
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _watch(self, args):
+        from ..tf.runtime import resolve_device
+        from .widgets.gauge import Gauge, stop_all
+
+        if args.action == "stop":
+            print(f"stopped {stop_all()} gauge(s)")
+            return None
+        device = resolve_device(args.device).name if args.device else None
+        return Gauge(interval=args.interval, device=device)
+
+    def _cell(self, line: str, cell: str):
+        if line.split(maxsplit=1)[:1] == ["fresh"]:
+            return self._fresh(_parse(_FRESH_PARSER, line), cell)
+        if line.split(maxsplit=1)[:1] == ["batch"]:
+            return self._batch(_parse(_BATCH_PARSER, line), cell)
+        args = _parse(_CELL_PARSER, line)
+        if args.variable is not None and not args.variable.isidentifier():
+            raise UsageError(f"%%tfmem: -v needs a Python name, got {args.variable!r}.")
+        if args.mode == "trace":
+            return self._trace(args, cell)
+        if args.keep or args.plot:
+            raise UsageError("%%tfmem: --keep and --plot go with trace (%%tfmem trace --plot).")
+        try:
+            block = measure(args.device)
+            with block as measurement:
+                outcome = self.shell.run_cell(cell, store_history=False)
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+        failure = outcome.error_before_exec or outcome.error_in_exec
+        if failure is not None:
+            measurement.error = type(failure).__name__
+        if args.variable:
+            self.shell.user_ns[args.variable] = measurement
+        if not args.quiet:
+            print(repr(measurement))
+        return measurement if args.output else None
+
+
+    def _trace(self, args, cell: str):
+        if args.device is not None:
+            raise UsageError("%%tfmem trace records every allocator at once: leave out -d.")
+        block = trace(keep=args.keep)
+        try:
+            block.__enter__()
+        except SetupError as exc:
+            raise UsageError(str(exc)) from None
+        outcome = None
+        try:
+            outcome = self.shell.run_cell(cell, store_history=False)
+        finally:
+            failure = None if outcome is None else (outcome.error_before_exec or outcome.error_in_exec)
+            try:
+                block.__exit__(type(failure) if failure else None, failure, None)
+            except SetupError as exc:  # a trace file TensorFlow wrote that cannot be read
+                raise UsageError(str(exc)) from None
+        result = block.result
+        if args.variable:
+            self.shell.user_ns[args.variable] = result
+        if not args.quiet:
+            print(repr(result))
+            if result.allocators and getattr(self.shell, "kernel", None) is not None:
+                from IPython.display import display
+
+                from .widgets import MapViewer
+
+                display(MapViewer(result))  # in a notebook: the map, its slider, the OOM
+            if args.plot and len(result.allocators):
+                import matplotlib.pyplot as plt
+
+                result.plot_map()
+                result.plot_timeline()
+                plt.show()
+        return result if args.output else None
+
+    def _fresh(self, args, cell: str):
+        from ..fit.fresh import FreshRunError, run_fresh
+
+        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        returns = list(dict.fromkeys(name for names in args.returns for name in names))
+        names = [name for name, _ in args.env]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise UsageError(f"%%tfmem fresh: --env {twice[0]} given twice: give it once.")
+        try:
+            run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=returns,
+                            timeout=args.timeout, path=args.path)
+        except (SetupError, FreshRunError) as exc:
+            if getattr(exc, "oom", None) is not None and not exc.oom_shown:
+                from IPython.display import display
+
+                display(exc.oom)  # a child killed by its OOM: TensorFlow's dump of it, read here
+            raise UsageError(f"%%tfmem fresh: {exc}") from None
+        self.shell.user_ns.update(run.values)
+
+
+    def _batch(self, args, cell: str):
+        from ..fit.search import max_batch_size
+
+        if args.variable is not None and not args.variable.isidentifier():
+            raise UsageError(f"%%tfmem batch: -v needs a Python name, got {args.variable!r}.")
+        # The cell's functions are made in a namespace of their own (sent by value to each probe);
+        # the kernel's names are readable from it, none is changed.
+        namespace = dict(self.shell.user_ns)
+        namespace["__name__"] = "__main__"
+        try:
+            exec(compile(cell, "<%%tfmem batch>", "exec"), namespace)
+        except Exception as exc:
+            raise UsageError(f"%%tfmem batch: the cell raised {type(exc).__name__}: {exc}") from None
+        missing = [name for name in ("build_model", "make_batch") if not callable(namespace.get(name))]
+        if missing:
+            raise UsageError(f"%%tfmem batch: the cell must define {' and '.join(missing)}(): build_model() returns "
+                             "a compiled Keras model, make_batch(n) one batch (x, y) of n examples.")
+        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        try:
+            search = max_batch_size(namespace["build_model"], namespace["make_batch"], setup=options or None,
+                                    low=args.low, high=args.high, steps=args.steps, margin=args.margin,
+                                    probe_timeout=args.timeout, env=dict(args.env))
+        except SetupError as exc:
+            raise UsageError(f"%%tfmem batch: {str(exc).removeprefix('max_batch_size: ')}") from None
+        if args.variable:
+            self.shell.user_ns[args.variable] = search
+        return search
+
+
+def _help() -> str:
+    return (
+        "TensorFlow memory from a notebook.\n\n"
+        "%tfmem                  report: TensorFlow's figures per device, the driver's, the host's\n"
+        "%tfmem setup [options]  set devices up before TensorFlow's runtime starts\n"
+        "%tfmem watch [--interval S] [-d DEV] | %tfmem watch stop\n"
+        "                        a live gauge that moves while cells run\n"
+        "%tfmem panel [--search NAME]  the device setup panel (with a batch search: what fits)\n"
+        "%tfmem record [--window S] | %tfmem record stop\n"
+        "                        record allocator events so the next OOM names each chunk's op and layer\n"
+        "%tfmem oom              the last OOM's report (every OOM is explained in its cell)\n"
+        "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
+        "                        run the cell; exact peak and net change of the allocator\n"
+        "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
+        "                        every allocation of the cell: memory map, peak by op, OOM dump\n"
+        "%%tfmem batch [setup options] [--low N] [--high N] [--steps K] [--margin F] [-v NAME]\n"
+        "                        the largest batch the cell's build_model() trains with (make_batch(n)),\n"
+        "                        each probe in a new process\n"
+        "%%tfmem fresh [setup options] [--env NAME=VALUE] [--path DIR] [-r NAME,NAME] [--timeout S]\n"
+        "                        run the cell in a new process set up this way; bring NAMEs back\n\n"
+        + _LINE_PARSER._subparsers._group_actions[0].choices["setup"].format_help()
+        + "\n"
+        + _CELL_PARSER.format_help()
+        + "\n"
+        + _FRESH_PARSER.format_help()
+    )
+
+
+TfmemMagics.tfmem.__doc__ = _help()

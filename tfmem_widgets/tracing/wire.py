@@ -1,0 +1,474 @@
+"""Bulk decoding of the profiler's memory events, with numpy instead of one object per field.
+
+A long trace holds millions of profiler events and a dozen figures on each memory event;
+reading them one protobuf object at a time costs about 15 microseconds an event. Here the
+XSpace is parsed by protobuf with each line's events left as raw bytes (a copy of
+TensorFlow's own xplane.proto schema in which XLine.events is ``bytes``), and the protobuf
+wire format of those events is then decoded for all memory events at once, field by field,
+as numpy arrays. The plain decoder in the tests (xspace_reference.py) gives the same columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+
+from ..errors import TraceDataError
+from .events import (
+    ALLOCATOR_SLOT,
+    EVENT_KINDS,
+    FIRST_TEXT_SLOT,
+    FRAGMENTATION_SLOT,
+    NUMPY_TYPES,
+    SLOTS,
+    STAT_OF_COLUMN,
+)
+
+_CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
+_PADDING = b"\0" * 16
+_GROUP_EVENTS = 1 << 10  # memory events decoded together
+_WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
+# XEvent fields and XStat fields (tsl/profiler/protobuf/xplane.proto).
+_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS, _EVENT_STATS = 1, 2, 3, 4
+_STAT_METADATA_ID, _STAT_DOUBLE, _STAT_UINT64, _STAT_INT64, _STAT_STR, _STAT_REF = 1, 2, 3, 4, 5, 7
+
+
+@functools.lru_cache(maxsize=1)
+def _lean_xspace_class():
+    """XSpace with XLine.events as raw bytes, built from TensorFlow's own schema."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    xplane_pb2.DESCRIPTOR.CopyToProto(proto)
+    old_prefix = f".{proto.package}."
+    proto.name, proto.package = "tfmem_lean_xplane.proto", "tfmem_lean"
+
+    def rename(message):
+        for f in message.field:
+            if f.type_name.startswith(old_prefix):
+                f.type_name = ".tfmem_lean." + f.type_name[len(old_prefix):]
+        for nested in message.nested_type:
+            rename(nested)
+
+    for message in proto.message_type:
+        rename(message)
+        if message.name == "XLine":
+            for f in message.field:
+                if f.name == "events":
+                    f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+                    f.ClearField("type_name")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tfmem_lean.XSpace"))
+
+
+def _varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values as uint64, byte lengths) of the varints starting at each position."""
+    byte = buf[pos]
+    value = (byte & 0x7F).astype(np.uint64)
+    length = np.ones(len(pos), dtype=np.int64)
+    todo = np.nonzero(byte >= 0x80)[0]  # most varints here are one byte: the rest go on
+    for k in range(1, 10):
+        if not len(todo):
+            return value, length
+        byte = buf[pos[todo] + k]
+        value[todo] |= (byte & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+        length[todo] += 1
+        todo = todo[byte >= 0x80]
+    if len(todo):
+        raise ValueError("a varint longer than 10 bytes")
+    return value, length
+
+
+def _fields(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """Walk the fields of many messages at once. Yields, per step, for the messages that
+    still have fields: (message index, field number, wire type, value position, varint value,
+    length of a length-delimited value)."""
+    pos = start.copy()
+    alive = np.nonzero(pos < end)[0]
+    while len(alive):
+        p = pos[alive]
+        tag, tag_len = _varints(buf, p)
+        field = (tag >> np.uint64(3)).astype(np.int64)
+        wire = (tag & np.uint64(7)).astype(np.int64)
+        p = p + tag_len
+        value = np.zeros(len(alive), dtype=np.uint64)
+        size = np.zeros(len(alive), dtype=np.int64)
+        step = np.zeros(len(alive), dtype=np.int64)
+        is_varint = wire == _WIRE_VARINT
+        if is_varint.any():
+            v, n = _varints(buf, p[is_varint])
+            value[is_varint], step[is_varint] = v, n
+        is_len = wire == _WIRE_LEN
+        if is_len.any():
+            v, n = _varints(buf, p[is_len])
+            size[is_len] = v.astype(np.int64)
+            p[is_len] += n
+            step[is_len] = size[is_len]
+        step[wire == _WIRE_FIXED64] = 8
+        step[wire == _WIRE_FIXED32] = 4
+        unknown = ~(is_varint | is_len | (wire == _WIRE_FIXED64) | (wire == _WIRE_FIXED32))
+        if unknown.any():
+            raise ValueError(f"wire type {int(wire[unknown][0])}")
+        yield alive, field, wire, p, value, size
+        pos[alive] = p + step
+        if (pos[alive] > end[alive]).any():
+            raise ValueError("a field runs past the end of its event")
+        alive = alive[pos[alive] < end[alive]]
+
+
+def _event_fields(buf, start, end):
+    """Offsets and stat byte ranges of memory events. Events are written field by field in
+    number order: metadata id (already read), offset, then stats, each a short
+    length-delimited message. That layout is read in lockstep across all events; an event
+    laid out otherwise goes through the generic walk."""
+    n = len(start)
+    offset_ps = np.zeros(n, dtype=np.uint64)
+    first = buf[start] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    p = start.copy()
+    p[first] += 1 + _varints(buf, start[first] + 1)[1]
+    has_offset = buf[p] == (_EVENT_OFFSET_PS << 3 | _WIRE_VARINT)
+    value, length = _varints(buf, p[has_offset] + 1)
+    offset_ps[has_offset] = value
+    p[has_offset] += 1 + length
+    odd = ~first
+    owners, starts, sizes = [], [], []
+    alive = np.nonzero((p < end) & ~odd)[0]
+    stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
+    while len(alive):
+        q = p[alive]
+        tag, size = buf[q], buf[q + 1].astype(np.int64)
+        plain = (tag == stat_tag) & (size < 0x80)
+        odd[alive[~plain]] = True
+        alive, q, size = alive[plain], q[plain], size[plain]
+        owners.append(alive)
+        starts.append(q + 2)
+        sizes.append(size)
+        p[alive] = q + 2 + size
+        if (p[alive] > end[alive]).any():
+            raise ValueError("a stat runs past the end of its event")
+        alive = alive[p[alive] < end[alive]]
+    redo = np.nonzero(odd)[0]
+    if len(redo):
+        # Rare layouts: walk those events field by field from their start again.
+        keep = ~np.isin(np.concatenate(owners) if owners else np.zeros(0, np.int64), redo)
+        owners = [np.concatenate(owners)[keep]] if owners else []
+        starts = [np.concatenate(starts)[keep]] if starts else []
+        sizes = [np.concatenate(sizes)[keep]] if sizes else []
+        for alive2, field, wire, pos, value2, size2 in _fields(buf, start[redo], end[redo]):
+            is_offset = (field == _EVENT_OFFSET_PS) & (wire == _WIRE_VARINT)
+            offset_ps[redo[alive2[is_offset]]] = value2[is_offset]
+            is_stat = (field == _EVENT_STATS) & (wire == _WIRE_LEN)
+            owners.append(redo[alive2[is_stat]])
+            starts.append(pos[is_stat])
+            sizes.append(size2[is_stat])
+    owner = np.concatenate(owners) if owners else np.zeros(0, np.int64)
+    s_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    s_end = s_start + (np.concatenate(sizes) if sizes else np.zeros(0, np.int64))
+    return offset_ps, owner, s_start, s_end
+
+
+def _stat_fields(buf, start, end):
+    """(metadata id, value field number, raw value, {stat: (text position, length)}) of each
+    stat. A stat is its metadata id then one value; others go through the generic walk."""
+    n = len(start)
+    stat_id = np.zeros(n, dtype=np.uint64)
+    stat_field = np.zeros(n, dtype=np.int8)
+    stat_value = np.zeros(n, dtype=np.uint64)
+    texts: dict[int, tuple[int, int]] = {}
+    plain = buf[start] == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)
+    rows = np.nonzero(plain)[0]
+    ids, id_len = _varints(buf, start[rows] + 1)
+    stat_id[rows] = ids
+    del ids
+    p = start[rows] + 1 + id_len
+    del id_len
+    tag = buf[p]
+    wire = tag & 7
+    stat_field[rows] = tag >> 3
+    value_end = np.full(len(rows), -1, dtype=np.int64)
+    is_int = wire == _WIRE_VARINT
+    values, length = _varints(buf, p[is_int] + 1)
+    stat_value[rows[is_int]] = values
+    value_end[is_int] = p[is_int] + 1 + length
+    del values, length, is_int
+    is_double = wire == _WIRE_FIXED64
+    if is_double.any():
+        stat_value[rows[is_double]] = buf[p[is_double][:, None] + 1 + np.arange(8)].copy().view(np.uint64)[:, 0]
+    value_end[is_double] = p[is_double] + 9
+    is_text = np.nonzero(wire == _WIRE_LEN)[0]
+    size, size_len = _varints(buf, p[is_text] + 1)
+    text_start = p[is_text] + 1 + size_len
+    value_end[is_text] = text_start + size.astype(np.int64)
+    texts.update(zip(rows[is_text].tolist(), zip(text_start.tolist(), size.tolist())))
+    plain[rows[(tag >= 0x80) | (value_end != end[rows])]] = False
+    redo = np.nonzero(~plain)[0]
+    if len(redo):
+        for alive, field2, wire2, pos, value, size2 in _fields(buf, start[redo], end[redo]):
+            k = redo[alive]
+            is_id = field2 == _STAT_METADATA_ID
+            stat_id[k[is_id]] = value[is_id]
+            other = ~is_id
+            stat_field[k[other]] = field2[other]
+            is_int = other & (wire2 == _WIRE_VARINT)
+            stat_value[k[is_int]] = value[is_int]
+            is_double = other & (wire2 == _WIRE_FIXED64)
+            if is_double.any():
+                stat_value[k[is_double]] = buf[pos[is_double][:, None] + np.arange(8)].copy().view(np.uint64)[:, 0]
+            is_text = other & (wire2 == _WIRE_LEN)
+            texts.update(zip(k[is_text].tolist(), zip(pos[is_text].tolist(), size2[is_text].tolist())))
+    return stat_id, stat_field, stat_value, texts
+
+
+def read_memory_columns(data: bytes | None, source: str):
+    """Columns of every memory event, per allocator (keyed by the allocator's name), and the
+    interned texts their op/shape/region columns index. data=None reads the file `source`
+    (and lets its bytes go as soon as protobuf has parsed them)."""
+    from google.protobuf.message import DecodeError
+
+    space = _lean_xspace_class()()
+    try:
+        if data is None:
+            with open(source, "rb") as f:
+                space.ParseFromString(f.read())
+        else:
+            space.ParseFromString(data)
+    except DecodeError as exc:
+        raise TraceDataError(f"{source} is not a readable profiler trace (truncated or corrupt: {exc}).") from None
+    except OSError as exc:
+        raise TraceDataError(f"cannot read {source}: {exc.strerror}.") from None
+    if not space.planes:
+        raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
+    texts = [""]
+    text_index = {"": 0}
+
+    def intern(value: str) -> int:
+        index = text_index.get(value)
+        if index is None:
+            index = text_index[value] = len(texts)
+            texts.append(value)
+        return index
+
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    lines = []  # (plane, line) by the number memory events carry
+    try:
+        for plane in space.planes:
+            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
+            if not kinds:
+                continue
+            stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
+            for line in plane.lines:
+                lines.append((plane, line))
+                events = line.events
+                for first in range(0, len(events), _CHUNK_EVENTS):
+                    batch = events[first:first + _CHUNK_EVENTS]
+                    _decode_batch(batch, line.timestamp_ns, kinds, stat_names, intern, parts, len(lines) - 1)
+        columns = {
+            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+            for allocator, pieces in ((k, v) for k, v in parts.items())
+        }
+        name_unnamed_allocations(columns, lines, intern)
+    except ValueError as exc:
+        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
+    return columns, texts
+
+
+# -- allocations without an op: named by the activity around them -------------------------------
+#
+# XLA's programs allocate through TensorFlow's allocator without an op annotation (tf_op empty);
+# so do tensors made from Python (tf.constant) and graph building. The profiler's activities on
+# the same thread say what was running: an XLA executable ("CpuExecutable::ExecuteAsyncOnStream",
+# "XlaLaunch", ...), a tf.function ("__inference_<name>_<n>", on the thread that called it).
+
+# CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
+_XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
+_FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function: __inference_<name>_<n>
+_NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
+
+
+def context_label(enclosing: list[str], functions: list[str]) -> str:
+    """The name of what made an allocation without an op, from the activities enclosing it on
+    its thread (innermost last) and the tf.functions running then (innermost last)."""
+    own = [m.group(1) for m in map(_FUNCTION.search, enclosing) if m]
+    running = [m.group(1) for m in map(_FUNCTION.search, functions) if m]
+    function = own[-1] if own else (running[-1] if running else None)
+    if any(_XLA_MARKER.search(name) for name in enclosing):
+        return f"(XLA program in {function})" if function else "(XLA program)"
+    if function:
+        return f"(in {function})"
+    return f"(in {enclosing[-1]})" if enclosing else ""
+
+
+def _activities(plane, line, only=None):
+    """(start ps, end ps, name) of the line's activities with a duration, by start; only: a
+    test on the name."""
+    names = {mid: m.name for mid, m in plane.event_metadata.items()
+             if not m.name.startswith(_NOT_ACTIVITIES) and (only is None or only(m.name))}
+    events = line.events
+    if not names or not len(events):
+        return []
+    lengths = np.fromiter(map(len, events), dtype=np.int64, count=len(events))
+    buf = np.frombuffer(b"".join([*events, _PADDING]), dtype=np.uint8)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # Only the events whose metadata id (their first field) is one of the names wanted are walked.
+    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    first_id = np.zeros(len(events), dtype=np.uint64)
+    first_id[has_id] = _varints(buf, starts[has_id] + 1)[0]
+    wanted = np.array(sorted(names), dtype=np.uint64)
+    pick = np.nonzero(~has_id | np.isin(first_id, wanted))[0]
+    starts, ends = starts[pick], ends[pick]
+    n = len(pick)
+    meta = np.zeros(n, dtype=np.uint64)
+    offset = np.zeros(n, dtype=np.uint64)
+    duration = np.zeros(n, dtype=np.uint64)
+    for alive, field, wire, _pos, value, _size in _fields(buf, starts, ends):
+        varint = wire == _WIRE_VARINT
+        for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset), (_EVENT_DURATION_PS, duration)):
+            chosen = varint & (field == number)
+            column[alive[chosen]] = value[chosen]
+    base = int(line.timestamp_ns) * 1000
+    keep = np.nonzero((duration > 0) & np.isin(meta, wanted))[0]
+    found = [(base + int(offset[k]), base + int(offset[k]) + int(duration[k]), names[int(meta[k])])
+             for k in keep.tolist()]
+    found.sort()
+    return found
+
+
+def _sweep(activities, times):
+    """For each time (ascending), the names of the activities covering it, outermost first:
+    one pass, keeping only the activities still open (a thread's activities nest, so few are)."""
+    out, open_, k = [], [], 0
+    for t in times:
+        while k < len(activities) and activities[k][0] <= t:
+            open_.append(activities[k])
+            k += 1
+        open_ = [a for a in open_ if a[1] >= t]
+        out.append([a[2] for a in open_])
+    return out
+
+
+def name_unnamed_allocations(columns, lines, intern) -> None:
+    """Give each allocation without an op the name of the activity that made it (in place)."""
+    todo = []
+    for allocator, cols in columns.items():
+        unnamed = np.nonzero((cols["kind"] > 0) & (cols["op"] == 0))[0]
+        if len(unnamed):
+            todo.append((cols, unnamed))
+    if not todo:
+        for cols in columns.values():
+            cols.pop("line", None)
+        return
+    functions = []
+    for plane, line in lines:
+        functions += _activities(plane, line, only=lambda name: _FUNCTION.search(name) is not None)
+    functions.sort()
+    activities_of: dict[int, list] = {}
+    for cols, unnamed in todo:
+        times = cols["time_ns"][unnamed] * 1000
+        line_of = cols["line"][unnamed]
+        labels = np.zeros(len(unnamed), dtype=np.int64)
+        order = np.argsort(times, kind="stable")
+        running = _sweep(functions, times[order].tolist())
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))  # where each allocation sits in time order
+        for line_number in np.unique(line_of).tolist():
+            if line_number not in activities_of:
+                activities_of[line_number] = _activities(*lines[line_number])
+            mine = order[line_of[order] == line_number]  # this line's allocations, in time order
+            enclosing = _sweep(activities_of[line_number], times[mine].tolist())
+            for k, chain in zip(mine.tolist(), enclosing):
+                labels[k] = intern(context_label(chain, running[rank[k]]))
+        cols["op"][unnamed] = labels.astype(cols["op"].dtype)
+    for cols in columns.values():
+        cols.pop("line", None)
+
+
+def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts, line_number) -> None:
+    lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
+    # Padding past the end lets a damaged varint be read without an index error.
+    buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # Memory events first: an event's metadata id is its first field when it is set.
+    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    ids = np.zeros(len(batch), dtype=np.uint64)
+    ids[has_id] = _varints(buf, starts[has_id] + 1)[0]
+    memory_ids = np.array(sorted(kinds), dtype=np.uint64)
+    chosen = np.nonzero(has_id & np.isin(ids, memory_ids))[0]
+    if not len(chosen):
+        return
+    kind_of_id = np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8)
+    # A dozen arrays per stat live while a group is decoded: small groups keep that memory
+    # small next to the trace itself.
+    for first in range(0, len(chosen), _GROUP_EVENTS):
+        group = chosen[first:first + _GROUP_EVENTS]
+        kind = kind_of_id[np.searchsorted(memory_ids, ids[group])]
+        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts, line_number)
+
+
+def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts, line_number) -> None:
+    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends)
+    stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
+    del s_start, s_end
+
+    # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
+    slot_of = {mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}
+    unique_ids, inverse = np.unique(stat_id, return_inverse=True)
+    slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
+    del stat_id, inverse
+
+    n = len(starts)
+    row_int = np.zeros((FIRST_TEXT_SLOT, n), dtype=np.int64)
+    fragmentation = np.zeros(n, dtype=np.float64)
+    row_text = np.zeros((ALLOCATOR_SLOT - FIRST_TEXT_SLOT, n), dtype=np.int64)
+    allocator = np.full(n, -1, dtype=np.int64)
+
+    as_int = stat_value.view(np.int64)
+    for slot in range(FIRST_TEXT_SLOT):
+        pick = slots == slot
+        row_int[slot, owner[pick]] = as_int[pick]
+    pick = slots == FRAGMENTATION_SLOT
+    is_double = pick & (stat_field == _STAT_DOUBLE)
+    fragmentation[owner[is_double]] = stat_value[is_double].view(np.float64)
+    is_other = pick & (stat_field != _STAT_DOUBLE)
+    fragmentation[owner[is_other]] = as_int[is_other].astype(np.float64)
+
+    text_slots = slots >= FIRST_TEXT_SLOT + 1
+    ref = text_slots & (stat_field == _STAT_REF)
+    ref_ids, ref_inverse = np.unique(stat_value[ref], return_inverse=True)
+    ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
+    strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
+    string_text = np.array(
+        [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
+         for k in strings.tolist()],
+        dtype=np.int64,
+    )
+    for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):
+        for k, slot in enumerate(range(FIRST_TEXT_SLOT + 1, ALLOCATOR_SLOT)):
+            pick = slots[rows] == slot
+            row_text[k, owner[rows[pick]]] = values[pick]
+        pick = slots[rows] == ALLOCATOR_SLOT
+        allocator[owner[rows[pick]]] = values[pick]
+
+    time_ns = ((np.uint64(timestamp_ns) * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
+    for name_index in np.unique(allocator):
+        if name_index < 0:
+            continue  # a memory event without an allocator: nothing to place it in
+        mine = allocator == name_index
+        columns = {"time_ns": time_ns[mine], "kind": kind[mine],
+                   "line": np.full(int(mine.sum()), line_number, dtype=np.int64)}
+        for column, stat in STAT_OF_COLUMN.items():  # each column from its stat's slot (events.py)
+            slot = SLOTS[stat]
+            if slot == FRAGMENTATION_SLOT:
+                values = fragmentation[mine]
+            elif slot < FIRST_TEXT_SLOT:
+                values = row_int[slot, mine]
+            else:
+                values = row_text[slot - FIRST_TEXT_SLOT - 1, mine]
+            columns[column] = values.view(NUMPY_TYPES[column]) if column == "address" else \
+                values.astype(NUMPY_TYPES[column], copy=False)
+        parts.setdefault(int(name_index), []).append(columns)

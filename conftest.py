@@ -24,7 +24,7 @@ def pytest_runtest_setup(item):
     if not type(item).__module__.startswith("nbval"):
         yield
         return
-    from tfmem_widgets.tf.runtime import SETUP_ENV_VARS
+    from tfmem_widgets.tf.options import SETUP_ENV_VARS
 
     saved = {name: os.environ.pop(name) for name in SETUP_ENV_VARS if name in os.environ}
     try:

@@ -2,7 +2,7 @@
 """Set everything up in ./.venv, then open the workbook or run every test.
 
     python3 dev.py lab     # JupyterLab on notebooks/ (lab mode where there is no GPU)
-    python3 dev.py test    # pytest: unit, magic, fresh-process and notebook (nbval) tests
+    python3 dev.py test    # ruff, then pytest: unit, magic, fresh-process and notebook (nbval) tests
     python3 dev.py record  # re-run the notebooks in place, storing their outputs for nbval
     python3 dev.py bench   # the figures README quotes (benchmarks/*.py)
 
@@ -42,7 +42,7 @@ def _run(*args) -> None:
 
 def ensure_environment(extras: list[str]) -> None:
     """Create .venv if needed and install the package with `extras` (quick when done)."""
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - dev.py runs before anything is installed
         sys.exit(f"tfmem_widgets needs Python 3.10 or newer; this is {sys.version.split()[0]}.")
     if not PYTHON.exists():
         print(f"creating {VENV}", flush=True)
@@ -122,6 +122,12 @@ def main(argv: list[str]) -> int:
     ensure_environment(["test"])
     if command == "record":
         return record_notebooks(rest)
+    # The linter first (its rules in pyproject.toml): a failing check fails the test command.
+    lint = subprocess.run([str(PYTHON), "-m", "ruff", "check", "."], cwd=ROOT).returncode
+    if lint:
+        print("dev.py: ruff found problems (above); `.venv/bin/ruff check . --fix` mends the simple ones",
+              file=sys.stderr)
+        return lint
     code = subprocess.run([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT,
                           env={**os.environ, **MALLOC_ENVIRONMENT}).returncode
     if code == 5:  # pytest: no tests were collected, which must never pass

@@ -56,9 +56,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import __main__
-
     import cloudpickle
+
+    import __main__
 
     cloudpickle.register_pickle_by_value(__main__)  # a script's functions travel by value, as a notebook's do
     main()

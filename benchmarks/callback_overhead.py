@@ -15,7 +15,6 @@ import sys
 
 from _workloads import run_keras_rounds
 
-
 CODE = """
 import json, statistics, time
 from tfmem_widgets.fit.callback import MemoryCallback

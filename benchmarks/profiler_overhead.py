@@ -18,7 +18,6 @@ import sys
 
 from _workloads import run_keras_rounds
 
-
 CODE = """
 import json, statistics, tempfile, time, shutil
 from tfmem_widgets.tracing import recorder

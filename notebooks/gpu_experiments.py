@@ -117,7 +117,8 @@ from tensorflow.python.client import device_lib
 limit = next(d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU")
 jump = first_tensor_jump()
 print(f"TensorFlow's limit: {fmt(limit)}")
-print(f"a 1 KiB tensor: NVML used +{fmt(jump)}; TensorFlow's in use {fmt(tf.config.experimental.get_memory_info('GPU:0')['current'])}")
+in_use = tf.config.experimental.get_memory_info('GPU:0')['current']
+print(f"a 1 KiB tensor: NVML used +{fmt(jump)}; TensorFlow's in use {fmt(in_use)}")
 result = {"limit": limit, "nvml_delta": jump}
 """,
     ),

@@ -70,7 +70,8 @@ TIERS = {
     "test_fresh_transport.py": "process", "test_fresh_process.py": "process", "test_trace_oom.py": "process",
     "test_trace_files.py": "process", "test_start_stop.py": "process", "test_widgets.py": "widget",
     "test_browser.py": "browser", "test_gpu.py": "gpu", "test_workbook.py": "notebook", "test_wheel.py": "process",
-    "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process", "test_memory_callback.py": "process",
+    "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
+    "test_memory_callback.py": "process",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 import tfmem_widgets
-from tfmem_widgets.fit.search import BatchSearch, Probe
 from tfmem_widgets.errors import SetupError
+from tfmem_widgets.fit.search import BatchSearch, Probe
 
 MiB = 1 << 20
 

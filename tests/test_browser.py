@@ -101,7 +101,7 @@ def jupyterlab(tmp_path):
             break
         except OSError:
             if server.poll() is not None:
-                raise AssertionError(server.stdout.read().decode(errors="replace")[-3000:])
+                raise AssertionError(server.stdout.read().decode(errors="replace")[-3000:]) from None
             time.sleep(0.5)
     else:
         server.kill()
@@ -211,7 +211,7 @@ def test_panels_in_each_frontend(jupyterlab, frontend):
             from tfmem_widgets.fit.search import BatchSearch, Probe
 
             search = eval(SEARCH_CODE, {"BatchSearch": BatchSearch, "Probe": Probe})  # the notebook's search
-            needed = -(-int(search.needs_bytes(8000) / (1 - search.margin)) // (1 << 20))
+            needed = -(-search.limit_needed_bytes(8000) // (1 << 20))
             fits_at = search.batch_for(-(-needed // 16) * 16 << 20)
             chooser = page.locator(".tfmem-setup-panel:has(.tfmem-fit-box)").first
             chooser.wait_for(timeout=120_000)

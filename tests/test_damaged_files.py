@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmem_widgets import Trace, TraceDataError, load_memory_dump, parse_bfc_dump
-
 from conftest import run_fresh
+from tfmem_widgets import Trace, TraceDataError, load_memory_dump, parse_bfc_dump
 
 MAKE = """
 import glob, json, os, sys, tensorflow as tf, tfmem_widgets
@@ -78,7 +77,7 @@ def test_a_text_dump_without_a_whole_region_is_refused(real):
 def test_a_text_dump_missing_any_one_line_or_with_one_size_changed_is_refused_or_the_same(real):
     whole = chunks(parse_bfc_dump(real["log"]))
     lines = real["log"].splitlines(keepends=True)
-    for k, line in enumerate(lines):
+    for k in range(len(lines)):
         text = "".join(lines[:k] + lines[k + 1:])
         try:
             assert chunks(parse_bfc_dump(text)) == whole, f"line {k} left out, drawn otherwise"

@@ -11,15 +11,16 @@ import json
 import pytest
 
 from conftest import FRESH_SHELL, run_fresh, start_fresh
-from tfmem_widgets.tf.setup_rules import DEFAULT_LAB_MB, DeviceState, SetupRequest, plan_setup
-from tfmem_widgets.tf.runtime import LAB_DEFAULT_LIMIT_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV
+from tfmem_widgets.tf.lab import LAB_DEFAULT_LIMIT_MB
+from tfmem_widgets.tf.options import DEFAULT_LAB_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV, SetupRequest
+from tfmem_widgets.tf.setup_rules import DeviceState, plan_setup
+from tfmem_widgets.units import GiB
 
 
 def lab_setting(environment):
-    from tfmem_widgets.tf.runtime import lab_setting
+    from tfmem_widgets.tf.lab import lab_setting
 
     return lab_setting(environment)
-from tfmem_widgets.units import GiB
 
 
 def env(switch, limit=None):
@@ -156,7 +157,7 @@ def tensorflow_readings():
     return readings
 
 
-@pytest.mark.parametrize("index", range(len(SPELLINGS)), ids=[f"{s!r}-{l!r}" for s, l in SPELLINGS])
+@pytest.mark.parametrize("index", range(len(SPELLINGS)), ids=[f"{switch!r}-{limit!r}" for switch, limit in SPELLINGS])
 def test_every_spelling_reads_as_tensorflow_acts(tensorflow_readings, index):
     switch, limit = SPELLINGS[index]
     returncode, lines = tensorflow_readings[index]

@@ -5,15 +5,15 @@ import json
 import os
 import threading
 
+import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
 import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
-import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
-from tfmem_widgets.fit.fresh import FreshRunError, without_native_logs, run_fresh
+from tfmem_widgets.fit.fresh import FreshRunError, run_fresh, without_native_logs
 from tfmem_widgets.readings.measure import Measurement
-from tfmem_widgets.tf.runtime import LAB_LIMIT_ENV
-from tfmem_widgets.tracing.block import Trace
+from tfmem_widgets.tf.options import LAB_LIMIT_ENV
+from tfmem_widgets.tracing.result import Trace
 
 FRAGMENTING_OOM = """
 import tensorflow as tf, tfmem_widgets
@@ -80,7 +80,7 @@ def test_a_refused_setup_is_one_line_and_runs_nothing(shell, capsys):
     ("fresh --env NOEQUALS", "--env: expected NAME=VALUE"),
     ("fresh -r 1x", "-r: expected Python names"),
     ("fresh --lab -5", "--lab"),
-    ("fresh --timeout 0", "--timeout: expected at least 0.01 seconds"),
+    ("fresh --timeout 0", "--timeout: timeout must be at least 0.01 seconds (none: no limit)"),
     # conflicting or repeated options: refused, never silently the last one
     ("fresh --lab 64 --env TF_CPU_BFC_MEM_LIMIT_IN_MB=32", "set in env and by the setup option lab_mb"),
     ("fresh --lab 64 --lab 128", "--lab given twice"),

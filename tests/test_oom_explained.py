@@ -246,8 +246,9 @@ def test_lab_mode_hazards_are_said_before_the_cell_runs_once_each():
 
 
 def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell):
-    import tfmem_widgets
     from IPython.core.error import UsageError
+
+    import tfmem_widgets
     from tfmem_widgets.errors import SetupError
     from tfmem_widgets.tracing.recorder import current
 
@@ -327,8 +328,9 @@ def test_an_oom_in_a_fresh_process_is_explained_here_even_when_it_kills_the_proc
 
 
 def test_a_compiled_steps_oom_names_its_step_and_node_and_on_a_cpu_says_what_varies():
+    from tfmem_widgets.oom.explain import report_from_dump
+    from tfmem_widgets.oom.report import CPU_STEP_NOTE
     from tfmem_widgets.tracing.allocator_map import AllocatorMap
-    from tfmem_widgets.oom.report import CPU_STEP_NOTE, report_from_dump
 
     text = ("Graph execution error:\n\nOOM when allocating tensor with shape[8192,4096] and type float on "
             "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu\n"

@@ -1,5 +1,7 @@
-"""The shape of the package: no import cycle (lazy imports included), and nothing inside it
-imports the package face, so each module can be read and tested on its own."""
+"""The shape of the package: layers as folders, data flowing one way. No import cycle (lazy imports
+included); nothing inside it imports the package face; only the notebook layer imports IPython or
+ipywidgets, and nothing but the face and the notebook layer imports the notebook layer; no module
+over 500 lines; a few modules at the top, each folder saying in its first line what it decides."""
 
 from __future__ import annotations
 
@@ -40,6 +42,52 @@ def _imports() -> dict[str, set[str]]:
                     found.add(target)
         graph[name] = found
     return graph
+
+
+def _outside_imports() -> dict[str, set[str]]:
+    """The top-level names of what each module imports from outside the package (lazy imports too)."""
+    found: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names.add((node.module or "").split(".")[0])
+            elif isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+        found[_module_name(path)] = names
+    return found
+
+
+NOTEBOOK_LAYER = "tfmem_widgets.notebook"
+
+
+def _in_notebook_layer(module: str) -> bool:
+    return module == NOTEBOOK_LAYER or module.startswith(NOTEBOOK_LAYER + ".")
+
+
+def test_only_the_notebook_layer_imports_ipython_or_ipywidgets():
+    outside = {m: names & {"IPython", "ipywidgets", "ipykernel", "traitlets"}
+               for m, names in _outside_imports().items() if not _in_notebook_layer(m)}
+    assert {m: names for m, names in outside.items() if names} == {}
+
+
+def test_the_core_never_reaches_into_the_notebook_layer():
+    # The face registers the extension (lazily); every other module outside the layer stays out of it.
+    reaching = {m: sorted(d for d in deps if _in_notebook_layer(d)) for m, deps in _imports().items()
+                if not _in_notebook_layer(m) and m != "tfmem_widgets"}
+    assert {m: deps for m, deps in reaching.items() if deps} == {}
+
+
+def test_modules_are_short_and_few_at_the_top_and_each_folder_says_what_it_decides():
+    lengths = {_module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {m: n for m, n in lengths.items() if n > 500} == {}
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+    for folder in (p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        assert init.exists(), folder
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{folder.name}/__init__.py must say what the folder decides"
 
 
 def test_nothing_inside_the_package_imports_its_face():

@@ -8,15 +8,10 @@ rules against a real GPU runtime are in test_gpu.py.
 import pytest
 
 from tfmem_widgets.errors import SetupError
+from tfmem_widgets.tf.devices import PhysicalGpu
 from tfmem_widgets.tf.nvml import GpuMemory, ProcessGpuMemory
-from tfmem_widgets.tf.setup_rules import (
-    CUDA_CONTEXT_ALLOWANCE,
-    DEFAULT_LAB_MB,
-    DeviceState,
-    SetupRequest,
-    plan_setup,
-)
-from tfmem_widgets.tf.runtime import PhysicalGpu
+from tfmem_widgets.tf.options import DEFAULT_LAB_MB, SetupRequest
+from tfmem_widgets.tf.setup_rules import CUDA_CONTEXT_ALLOWANCE, DeviceState, plan_setup
 from tfmem_widgets.units import GiB, MiB
 
 
@@ -238,3 +233,21 @@ def test_numpy_integers_are_whole_numbers():
     assert request.split == [2048, 2048] and request.gpus == [0] and request.limit_mb == {0: 4096}
     with pytest.raises(SetupError, match="whole number"):
         SetupRequest(lab_mb=np.float64(64))
+
+
+def test_every_setup_option_is_one_keyword_of_setup_and_one_flag_of_the_magic():
+    import inspect
+
+    from tfmem_widgets import setup
+    from tfmem_widgets.tf.options import OPTION_NAMES, SETUP_ENV_VARS, SETUP_OPTIONS, SetupRequest
+
+    assert tuple(inspect.signature(setup).parameters) == OPTION_NAMES
+    assert tuple(f.name for f in __import__("dataclasses").fields(SetupRequest)) == OPTION_NAMES
+    flags = [o.flag for o in SETUP_OPTIONS] + [o.off_flag for o in SETUP_OPTIONS if o.off_flag]
+    assert len(set(flags)) == len(flags) and len(set(SETUP_ENV_VARS)) == len(SETUP_ENV_VARS)
+    # Every option of the table round-trips through its own flag text.
+    request = SetupRequest(lab_mb=64, gpus=[0, 1], growth=False, force_growth=True, limit_mb={0: 1024},
+                           split=[512, 512], allocator="bfc", reserve_mb=0, cpus=2)
+    for option in SETUP_OPTIONS:
+        text = option.as_flag(getattr(request, option.name))
+        assert text.split()[0] in (option.flag, option.off_flag), text

@@ -7,6 +7,7 @@ temporary folder, no open file, no child process, no thread, no subscriber, no l
 """
 
 import glob
+import importlib
 import os
 import tempfile
 import threading
@@ -14,13 +15,11 @@ import time
 
 import psutil
 import pytest
-
-import importlib
+from injection import Steps
 
 from tfmem_widgets import SetupError, measure, run_fresh, trace
 from tfmem_widgets.readings.sampler import sampler
-
-from injection import Steps
+from tfmem_widgets.tf import dump_place
 
 # The modules (the package's names `trace` and `measure` are the classes).
 trace_module = importlib.import_module("tfmem_widgets.tracing.block")
@@ -71,7 +70,7 @@ class State:
             out.append(f"file descriptors left open: {sorted(extra)}")
         if trace_module.tracing():
             out.append("the trace lock is held")
-        if getattr(trace_module, "owned_dump_prefix", lambda: None)() is not None:
+        if "a trace" in dump_place._owners.values():
             out.append("a dump prefix is still owned")
         if measure_module.running_measurements():
             out.append("a measurement is still active")

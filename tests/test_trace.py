@@ -5,15 +5,13 @@ import os
 from pathlib import Path
 
 import matplotlib
-
 import pytest
 
 import tfmem_widgets
-from tfmem_widgets import Trace, TraceDataError, trace
-from tfmem_widgets.units import format_bytes
-from tfmem_widgets.tracing.xspace import read_xspace
-
 from conftest import finish_fresh, run_fresh, start_fresh
+from tfmem_widgets import Trace, TraceDataError, trace
+from tfmem_widgets.tracing.xspace import read_xspace
+from tfmem_widgets.units import format_bytes
 
 matplotlib.use("Agg")
 MiB = 1 << 20
@@ -69,7 +67,8 @@ def test_magic_trace_returns_and_stores_the_trace_and_draws(shell, capsys):
     out = capsys.readouterr().out
     assert isinstance(t, Trace) and shell.user_ns["traced"] is t
     assert "tfmem trace bfc_cpu_allocator_for_gpu" in out
-    assert {"Fill", "Mul"} <= set(t.peak_by_op(CPU)) | {t.events(CPU).text(t.events(CPU).op, i) for i in range(len(t.events(CPU)))}
+    events = t.events(CPU)
+    assert {"Fill", "Mul"} <= set(t.peak_by_op(CPU)) | {events.text(events.op, i) for i in range(len(events))}
     import matplotlib.pyplot as plt
 
     assert len(plt.get_fignums()) >= 2
@@ -91,10 +90,10 @@ def test_traces_cannot_nest_and_the_next_one_works(lab_session):
 
 
 def test_an_interrupt_stops_the_profiler_restores_fd2_and_keeps_the_capture(lab_session):
-    import tensorflow as tf
-
     import glob
     import tempfile
+
+    import tensorflow as tf
 
     fd2_before = os.fstat(2)
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "tfmem-trace-*")))

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 import tfmem_widgets
-from tfmem_widgets import SetupError, trace
-
 from conftest import finish_fresh, start_fresh
+from tfmem_widgets import SetupError, trace
 
 CPU = "bfc_cpu_allocator_for_gpu"
 
@@ -217,7 +216,7 @@ def test_a_trace_that_cannot_be_read_keeps_the_blocks_exception_and_the_kept_fil
         with trace(keep=tmp_path / "kept") as t:
             with tf.device("CPU:0"):
                 tf.zeros((16,))
-            1 / 0
+            _ = 1 / 0
     assert t.done and any("could not be read" in n for n in t.notes)
     with pytest.raises(TraceDataError):  # a block that ended well: the trace's failure is the error
         with trace(keep=tmp_path / "again"):

@@ -1,5 +1,5 @@
-from tfmem_widgets.tf.system_reserve import system_reserve
 from tfmem_widgets.tf.nvml import GpuMemory, nvml_index_for_cuda_ordinal
+from tfmem_widgets.tf.system_reserve import system_reserve
 from tfmem_widgets.units import GiB, MiB, format_bytes, format_exact
 
 

@@ -8,11 +8,12 @@ from IPython.core.error import UsageError
 
 import tfmem_widgets
 from tfmem_widgets.errors import SetupError
-from tfmem_widgets.tf.nvml import GpuMemory
-from tfmem_widgets.tf.setup_rules import DeviceState, SetupRequest, plan_setup
-from tfmem_widgets.tf.runtime import PhysicalGpu
-from tfmem_widgets.readings.sampler import sampler
 from tfmem_widgets.notebook.widgets import Gauge, MapViewer, SetupPanel
+from tfmem_widgets.readings.sampler import sampler
+from tfmem_widgets.tf.devices import PhysicalGpu
+from tfmem_widgets.tf.nvml import GpuMemory
+from tfmem_widgets.tf.options import SetupRequest
+from tfmem_widgets.tf.setup_rules import DeviceState, plan_setup
 
 MiB = 1 << 20
 

@@ -3,9 +3,9 @@ protobuf format allows for an event (built with TensorFlow's own message classes
 
 import numpy as np
 import pytest
+from xspace_reference import read_xspace_reference
 
 from tfmem_widgets.tracing.xspace import read_xspace
-from xspace_reference import read_xspace_reference
 
 COLUMNS = ("time_ns", "kind", "address", "size", "requested", "in_use", "peak", "available",
            "fragmentation", "data_type")
@@ -66,7 +66,7 @@ def _space(layouts):
         if layout == "duration":
             event.duration_ps = 77
         line.events.add(metadata_id=ids["Other"], offset_ps=5)  # not a memory event
-        def stat(name):
+        def stat(name, event=event):
             s = event.stats.add()
             s.metadata_id = stat_ids[name]
             return s

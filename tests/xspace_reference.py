@@ -115,7 +115,7 @@ def read_xspace_reference(data: bytes, source: str = "xplane.pb") -> dict[str, A
 def _name_unnamed(unnamed, space, intern) -> None:
     """Each allocation without an op named by the activities around it, event by event: those
     covering it on its own line, and the tf.functions running then on any line."""
-    from tfmem_widgets.tracing.wire import _FUNCTION, _NOT_ACTIVITIES, context_label
+    from tfmem_widgets.tracing.attribution import FUNCTION, NOT_ACTIVITIES, context_label
 
     if not unnamed:
         return
@@ -124,11 +124,11 @@ def _name_unnamed(unnamed, space, intern) -> None:
         names = {mid: m.name for mid, m in plane.event_metadata.items()}
         base = line.timestamp_ns * 1000
         return [(base + e.offset_ps, base + e.offset_ps + e.duration_ps, names[e.metadata_id])
-                for e in line.events if e.duration_ps > 0 and not names[e.metadata_id].startswith(_NOT_ACTIVITIES)
+                for e in line.events if e.duration_ps > 0 and not names[e.metadata_id].startswith(NOT_ACTIVITIES)
                 and only(names[e.metadata_id])]
 
     functions = sorted(s for plane in space.planes for line in plane.lines
-                       for s in spans(plane, line, lambda name: _FUNCTION.search(name) is not None))
+                       for s in spans(plane, line, lambda name: FUNCTION.search(name) is not None))
     for columns, row, plane, line, t in unnamed:
         own = sorted(spans(plane, line))
         enclosing = [name for begin, end, name in own if begin <= t <= end]

@@ -14,19 +14,21 @@ only possible before its runtime starts, so nothing here may start it early.
 After %load_ext, an OOM in any cell is explained under its traceback (last_oom()).
 """
 
-from .tracing.allocator_map import AllocatorMap, Chunk, Region
-from .fit.search import BatchSearch, Probe, max_batch_size
-from .tracing.dumps import load_memory_dump, parse_bfc_dump
-from .tf.device_setup import SetupResult, setup
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
 from .fit.fresh import FreshRun, run_fresh
-from .readings.measure import Measurement, measure
+from .fit.search import BatchSearch, Probe, max_batch_size
+from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
-from .oom.watch import explain_oom, last_oom, unwatch_oom, watch_oom
-from .tracing.recorder import Recorder, record
+from .oom.watch import unwatch_oom, watch_oom
+from .readings.measure import Measurement, measure
 from .readings.report import MemoryReport, report
-from .tracing.block import Trace, trace
+from .tf.device_setup import SetupResult, setup
 from .tf.runtime import watch_runtime_start
+from .tracing.allocator_map import AllocatorMap, Chunk, Region
+from .tracing.block import trace
+from .tracing.dumps import load_memory_dump, parse_bfc_dump
+from .tracing.recorder import Recorder, record
+from .tracing.result import Trace
 
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 
@@ -83,55 +85,16 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfmem_widgets' has no attribute {name!r}")
 
 
-def _after_cell(result=None):
-    """post_run_cell: the readings' after-cell hook (gauges and panels register on it)."""
-    from .readings.sampler import after_cell
-
-    after_cell()
-
-
-def _before_cell(info=None):
-    """pre_run_cell: the OOM watcher notes the dumps that exist; lab-mode hazards are said
-    before the cell runs."""
-    from .oom.watch import cell_started
-    from .notebook.hazards import warn_before_cell
-
-    cell_started()
-    warn_before_cell(getattr(info, "raw_cell", "") or "")
-
-
-def _explain_oom(result=None):
-    """post_run_cell: an OOM the cell raised is explained in its output."""
-    from .oom.watch import cell_finished
-
-    cell_finished(result)
-
-
 def load_ipython_extension(ipython):
-    """%load_ext tfmem_widgets: registers %tfmem / %%tfmem and the OOM watcher (TensorFlow's
-    dump at every OOM, into a folder of the extension's own); starts nothing."""
-    from .notebook.magics import TfmemMagics
+    """%load_ext tfmem_widgets: registers %tfmem / %%tfmem and the OOM watcher (TensorFlow's dump at
+    every OOM, into a folder of the extension's own); starts nothing."""
+    from .notebook.extension import load
 
-    ipython.register_magics(TfmemMagics)
-    watch_oom()
-    for event, hook in (("post_run_cell", _after_cell), ("pre_run_cell", _before_cell),
-                        ("post_run_cell", _explain_oom)):
-        if hook not in ipython.events.callbacks[event]:
-            ipython.events.register(event, hook)
+    load(ipython)
 
 
 def unload_ipython_extension(ipython):
     """%unload_ext tfmem_widgets: removes what load_ipython_extension added; gauges stop."""
-    for kind in ("line", "cell"):
-        ipython.magics_manager.magics[kind].pop("tfmem", None)
-    for event, hook in (("post_run_cell", _after_cell), ("pre_run_cell", _before_cell),
-                        ("post_run_cell", _explain_oom)):
-        if hook in ipython.events.callbacks[event]:
-            ipython.events.unregister(event, hook)
-    unwatch_oom()
-    from .tracing.recorder import stop
+    from .notebook.extension import unload
 
-    stop()
-    from .readings.sampler import unload
-
-    unload()  # gauges stop, and with them the sampler's thread
+    unload(ipython)

@@ -20,4 +20,16 @@ class NvmlUnavailable(RuntimeError):
 
 
 class FreshRunError(RuntimeError):
-    """The code raised, or the process died, in the fresh process (its output was shown)."""
+    """The code raised, or the process died, in the fresh process (its output was shown).
+
+    how: how the process ended, in words ('raised ValueError', 'was killed by SIGABRT (signal 6)');
+    raised: the name of the exception the code raised there (None: it died or was stopped);
+    timed_out: it ran past its timeout; oom: the report of an OOM it met (None: none);
+    oom_shown: that report was already shown by the process's own shell.
+    """
+
+    def __init__(self, message: str, *, how: str = "", raised: str | None = None, timed_out: bool = False,
+                 oom=None, oom_shown: bool = False):
+        super().__init__(message)
+        self.how, self.raised, self.timed_out = how, raised, timed_out
+        self.oom, self.oom_shown = oom, oom_shown

@@ -1,1 +1,3 @@
-"""What fits and what a fit holds: fresh processes, the batch search, the Keras callback."""
+"""What fits and what a fit holds.
+
+Fresh processes, the batch search and its probes, the Keras callback."""

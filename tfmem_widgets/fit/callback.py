@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import keras
 
-from ..readings.measure import _reset_peak, measure
 from ..readings.allocator import read_allocator
+from ..readings.measure import _reset_peak, measure
 from ..text import LinesText
+from ..tf.allocator import allocator_of_device
 from ..units import MiB, format_bytes
 
 PEAK_KEY, IN_USE_KEY = "tfmem_peak_bytes", "tfmem_in_use_bytes"
@@ -63,7 +64,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
 
     def __init__(self, device: str | None = None, per_batch: bool = False, summaries: bool = True):
         super().__init__()
-        from ..tf.runtime import resolve_device
+        from ..tf.devices import resolve_device
 
         self._asked = device
         self.device = resolve_device(device).name  # a bad name fails here, before the fit
@@ -102,14 +103,10 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
             self._note(f"{' and '.join(cpus)} share one allocator (logical CPUs do): their figures are that "
                        "allocator's, not each replica's own; on GPUs each replica has its own")
 
-    @staticmethod
-    def _allocator(device: str) -> str:
-        return "CPU" if device.startswith("CPU") else device  # logical CPUs share the CPU's allocator
-
     def _open(self) -> dict[str, measure]:
         blocks = {}
         for _, device in self._local:
-            key = self._allocator(device)
+            key = allocator_of_device(device)
             if key not in blocks:
                 blocks[key] = measure(device)
                 blocks[key].__enter__()
@@ -146,7 +143,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         logs["tfmem_batch_in_use_bytes"] = max(in_use.values())
         if len(self._local) > 1:
             for label, device in self._local:
-                logs[f"tfmem_batch_peak_bytes/{label}"] = peaks[self._allocator(device)]
+                logs[f"tfmem_batch_peak_bytes/{label}"] = peaks[allocator_of_device(device)]
 
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch is None:
@@ -173,9 +170,9 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         self._rising([e[IN_USE_KEY] for e in self.epochs], "epoch")
         self._balance(rows)
         if self.chief:
-            from ..notebook.widgets.gauge import mark_all
+            from ..readings.sampler import sampler
 
-            mark_all(f"epoch {int(epoch) + 1}")
+            sampler.mark(f"epoch {int(epoch) + 1}")  # a running gauge draws it
 
     def on_train_end(self, logs=None):
         self._close(self._epoch)  # a fit that stopped inside an epoch
@@ -188,7 +185,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
     def _rows(self, blocks: dict[str, measure]) -> list[ReplicaFigures]:
         rows = []
         for label, device in self._local:
-            key = self._allocator(device)
+            key = allocator_of_device(device)
             result = blocks[key].result
             limit, source = self.limit(device)
             rows.append(ReplicaFigures(label, result.highest_bytes, result.end_bytes, limit,
@@ -219,15 +216,14 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         for task, kind, index, peak, in_use, limit in gathered.numpy().tolist():
             device = f"{_TYPES[kind] if kind < len(_TYPES) else 'device'}:{index}"
             out.append(ReplicaFigures(f"worker{task}/{device}", peak, in_use, None if limit < 0 else limit,
-                                      f"worker{task}/{self._allocator(device)}",
+                                      f"worker{task}/{allocator_of_device(device)}",
                                       "lab mode" if device.startswith("CPU") else "its worker's reading"))
         return out
 
     def limit(self, device: str | None = None) -> tuple[int | None, str]:
-        from ..readings.allocator import device_limit
-        from ..tf.runtime import lab_limit_bytes, resolve_device, runtime_started
+        from ..tf.limits import limit_of
 
-        found = device_limit(resolve_device(device or self.device), runtime_started(), lab_limit_bytes())
+        found = limit_of(device or self.device)
         return found.bytes, found.source
 
     # -- checks ----------------------------------------------------------------------------

@@ -12,9 +12,8 @@ process (lab mode, growth, allocator), only with those the caller passes.
 
 from __future__ import annotations
 
-import json
-import pickle
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FreshRunError, SetupError
-from ..tf.runtime import SETUP_ENV_VARS
+from ..tf.options import OPTION_NAMES, SETUP_ENV_VARS, SETUP_OPTIONS
+from .transport import decode, read_result, write_job
 
 # TensorFlow's C++ start-up lines ("I0000 00:00:... cuda_dnn.cc:...]") and absl's notice come
 # before its log level applies; they say nothing about the cell.
@@ -37,7 +37,7 @@ _NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d
 _PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b|tfmem[: ])")
 # The child ends as soon as its results are written: a thread the cell left running, or a slow
 # exit of TensorFlow's, cannot hold the results back until the timeout.
-_CHILD = ("import os, sys\nfrom tfmem_widgets.fit.fresh import _child_main\ncode = _child_main(sys.argv[1])\n"
+_CHILD = ("import os, sys\nfrom tfmem_widgets.notebook.fresh_child import main\ncode = main(sys.argv[1])\n"
           "sys.stdout.flush(); sys.stderr.flush()\nos._exit(code)\n")
 
 
@@ -63,11 +63,9 @@ def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] 
     environment modules or a carried install put TensorFlow), so nothing the user had is lost.
     """
     child = {k: v for k, v in os.environ.items() if k not in SETUP_ENV_VARS}
-    from ..tracing.block import DUMP_ENV, owned_dump_prefix
+    from ..tf.dump_place import DUMP_ENV, owned
 
-    from ..oom.watch import owned_prefix
-
-    if child.get(DUMP_ENV) is not None and child.get(DUMP_ENV) in (owned_dump_prefix(), owned_prefix()):
+    if owned(child.get(DUMP_ENV)):
         del child[DUMP_ENV]  # the trace's or the OOM watcher's dump place is this process's, not the child's
     from ..tf import device_setup
     from ..tf.runtime import ONEDNN_ENV
@@ -100,47 +98,40 @@ def without_native_logs(lines) -> str:
     return "".join(kept)
 
 
-_SETUP_KEYS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
-# The environment variables each setup option writes: --env may not set them too.
-_SETUP_WRITES = {
-    "lab_mb": ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"),
-    "allocator": ("TF_GPU_ALLOCATOR",),
-    "force_growth": ("TF_FORCE_GPU_ALLOW_GROWTH",),
-    "reserve_mb": ("TF_DEVICE_MIN_SYS_MEMORY_IN_MB",),
-}
 _GRACE = 2.0  # seconds to drain output once the child has exited or been killed
 
 
-def _check_timeout(timeout) -> float | None:
+def check_timeout(timeout, no_limit: str = "None") -> float | None:
+    """Seconds (at least 0.01), or None for no limit (`no_limit`: how a caller spells it)."""
     import math
     import numbers
 
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
-        raise SetupError(f"timeout must be a number of seconds, or None for no limit; got {timeout!r}.")
+        raise SetupError(f"timeout must be a number of seconds, or {no_limit} for no limit; got {timeout!r}.")
     if timeout < 0.01:
-        raise SetupError(f"timeout must be at least 0.01 seconds (None: no limit); got {timeout!r}.")
+        raise SetupError(f"timeout must be at least 0.01 seconds ({no_limit}: no limit); got {timeout!r}.")
     return float(timeout)
 
 
-def _check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> dict | None:
+def check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> dict | None:
     """The setup and environment asked for, checked here before a process is started; returns the
     setup as setup()'s keywords, normalized (plain ints, GPU indices as int keys)."""
     if setup is None:
         return None
     if not isinstance(setup, Mapping):
         raise SetupError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
-    unknown = [key for key in setup if key not in _SETUP_KEYS]
+    unknown = [key for key in setup if key not in OPTION_NAMES]
     if unknown:
-        raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(_SETUP_KEYS)}.")
-    from ..tf.setup_rules import SetupRequest
+        raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(OPTION_NAMES)}.")
+    from ..tf.options import SetupRequest
 
     request = SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
-    for key, names in _SETUP_WRITES.items():
-        clash = [name for name in names if setup.get(key) is not None and name in (env or {})]
+    for option in SETUP_OPTIONS:  # --env may not set what a setup option writes too
+        clash = [name for name in option.env if setup.get(option.name) is not None and name in (env or {})]
         if clash:
-            raise SetupError(f"{clash[0]} is set in env and by the setup option {key}: give one of them.")
+            raise SetupError(f"{clash[0]} is set in env and by the setup option {option.name}: give one of them.")
     return {key: value for key, value in vars(request).items() if value is not None}
 
 
@@ -194,23 +185,29 @@ def run_fresh(
     bad = [name for name in returns if not str(name).isidentifier()]
     if bad:
         raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
-    timeout = _check_timeout(timeout)
-    setup = _check_request(setup, env)
-    from ..oom.watch import DUMP_ENV, _dump_files
+    return run_checked(code, setup=check_request(setup, env), env=env, returns=returns, timeout=check_timeout(timeout),
+                       echo=echo, path=path)
+
+
+def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None = None, returns: Sequence[str] = (),
+                timeout: float | None = 600, echo: bool = True, path: Sequence[str] = (),
+                remember_oom: bool = True) -> FreshRun:
+    """run_fresh for a setup already checked (check_request) and a timeout already read (check_timeout).
+    remember_oom: an OOM the process met becomes this process's last_oom() (a batch search's probes
+    leave it alone)."""
+    from ..tf.dump_place import DUMP_ENV, dump_files
 
     # mkdtemp, then try at once: an interrupt between the two cannot leave the folder (a
     # TemporaryDirectory interrupted in its __enter__ is removed only when collected).
     work = tempfile.mkdtemp(prefix="tfmem-fresh-")
     try:
         work_dir = Path(work)
-        # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
-        (work_dir / "job.pickle").write_bytes(pickle.dumps(
-            {"code": code, "setup": setup, "returns": list(returns)}))
+        write_job(work_dir, code, setup, list(returns))
         environment = child_environment(env, path)
         # The child's OOM dumps land in this call's folder (gone with it, even when the child is
         # killed before its exit handlers run), unless the user chose a place of their own.
         environment.setdefault(DUMP_ENV, str(work_dir / "dump"))
-        dumps_before = set(_dump_files(environment[DUMP_ENV]))
+        dumps_before = set(dump_files(environment[DUMP_ENV]))
         with open(work_dir / "stderr.txt", "w+b") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(work_dir)], stdin=subprocess.DEVNULL,
@@ -228,8 +225,7 @@ def run_fresh(
             errors = without_native_logs(raw_errors.splitlines(keepends=True))
         if errors and echo:
             sys.stderr.write(errors)
-        result_file = work_dir / "result.json"
-        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        result = read_result(work_dir)
         if "setup_error" in result:
             raise SetupError(result["setup_error"])
         if proc.returncode != 0 or "values" not in result:
@@ -244,18 +240,17 @@ def run_fresh(
             oom = None if timed_out else _oom_of_child(
                 work_dir, environment[DUMP_ENV], dumps_before, output + raw_errors, setup, why,
                 died="error" not in result)
-            if oom is not None:
-                from ..oom.watch import remember
+            how = why
+            if oom is not None and remember_oom:
+                from ..oom.explain import remember
 
                 remember(oom)
                 why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
                         " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
-            error = FreshRunError(f"the fresh process {why}; its output is above.")
-            error.oom = oom
-            error.oom_shown = "error" in result  # the child's own shell showed its report
-            error.timed_out = timed_out
-            raise error
-        values = {name: _decode(name, work_dir) for name in result["values"]}
+            raise FreshRunError(f"the fresh process {why}; its output is above.", how=how, raised=result.get("error"),
+                                timed_out=timed_out, oom=oom,
+                                oom_shown="error" in result)  # the child's own shell showed its report
+        values = {name: decode(name, work_dir) for name in result["values"]}
         return FreshRun(proc.returncode, output, values, errors)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -274,7 +269,8 @@ def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setu
                   died: bool):
     """The OOM a failed child met: the report its own shell made (with its limits and Keras
     layers), or, when it died before making one, TensorFlow's dump it left, read here."""
-    from ..oom.report import failed_request, report_from_dump
+    from ..oom.explain import report_from_dump
+    from ..oom.message import failed_request
 
     made = work_dir / "oom.value"
     if made.exists():
@@ -286,23 +282,25 @@ def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setu
             return _without_gone_path(report, work_dir)
     if not died:
         return None  # it raised something else: a refusal it got over is no OOM
-    from ..oom.watch import _dump_files
+    from ..tf.dump_place import dump_files, dump_of_allocator
 
-    new = [p for p in _dump_files(prefix) if p not in before]
+    new = [p for p in dump_files(prefix) if p not in before]
     if not new:
         return None
-    from ..tracing.dumps import load_memory_dump
     from ..errors import TraceDataError
+    from ..tracing.dumps import load_memory_dump
 
     allocator, request, line, xla = failed_request(text)
-    path = ([p for p in new if allocator and os.path.basename(p).startswith(f"dump_{allocator}.")] or new)[-1]
+    path = ([p for p in new if allocator and dump_of_allocator(p, prefix, allocator)] or new)[-1]
     try:
         dump = load_memory_dump(path)
     except TraceDataError:
         return None
     if request is None:
         line = f"TensorFlow's dump of {dump.allocator}"
-    limit, source = _limit_of_setup(setup, dump.allocator)
+    from ..tf.limits import setup_limit
+
+    limit, source = setup_limit(setup, dump.allocator)
     report = report_from_dump(dump, line, request, xla=xla, dump_path=path, text=text, notes=(
         f"the fresh process {how} before it could explain this OOM: TensorFlow's dump of it is read here, "
         "without its Keras variables",))
@@ -320,23 +318,6 @@ def _without_gone_path(report, work_dir: Path):
     if report.dump_path and Path(report.dump_path).resolve().is_relative_to(work_dir.resolve()):
         return replace(report, dump_path=None)
     return report
-
-
-def _limit_of_setup(setup: Mapping | None, allocator: str) -> tuple[int | None, str]:
-    """The limit the child's setup gave the allocator a dump is of (a dump does not carry it)."""
-    from ..tf.runtime import LAB_ALLOCATOR_NAME
-    from ..units import MiB
-
-    setup = setup or {}
-    if allocator == LAB_ALLOCATOR_NAME and setup.get("lab_mb"):
-        return setup["lab_mb"] * MiB, "lab mode"
-    found = re.fullmatch(r"GPU_(\d+)_bfc", allocator)
-    limit = setup.get("limit_mb")
-    if found and limit is not None and not setup.get("split"):
-        mb = limit.get(int(found.group(1))) if isinstance(limit, Mapping) else limit
-        if mb:
-            return mb * MiB, "logical device limit"
-    return None, "unknown"
 
 
 def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[str, bool]:
@@ -388,120 +369,3 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
         if echo:
             sys.stdout.write(tail)
     return "".join(pieces), timed_out
-
-
-# -- values on the way back ------------------------------------------------------------------
-
-def _refusal(obj) -> str | None:
-    """Why `obj` must not be sent back, or None."""
-    if isinstance(obj, type) or callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__"):
-        module = getattr(obj, "__module__", None) or ""
-        if module == "__main__":
-            return f"{getattr(obj, '__qualname__', obj)!s} is defined in the cell, so this kernel cannot rebuild it"
-        return None
-    module = type(obj).__module__ or ""
-    top = module.split(".")[0]
-    if top in ("tensorflow", "keras", "tf_keras"):
-        return (f"it holds a TensorFlow object ({type(obj).__name__}), which would start TensorFlow's runtime "
-                "in this kernel; bring back .numpy() of it, or plain numbers")
-    if module == "__main__":
-        return (f"it holds a {type(obj).__name__}, a class the cell defined, which this kernel cannot rebuild; "
-                "bring back its fields as plain values")
-    return None
-
-
-class _Pickler:
-    """pickle, refusing what would come back wrong (see _refusal)."""
-
-    @staticmethod
-    def dumps(value) -> bytes:
-        import io
-        import pickle
-
-        class Pickler(pickle.Pickler):
-            def reducer_override(self, obj):
-                why = _refusal(obj)
-                if why is not None:
-                    raise _Refused(why)
-                return NotImplemented
-
-        buffer = io.BytesIO()
-        Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-        return buffer.getvalue()
-
-
-class _Refused(Exception):
-    pass
-
-
-def _encode(name: str, value: Any, work_dir: Path) -> None:
-    try:
-        data = _Pickler.dumps(value)
-    except _Refused as exc:
-        raise TypeError(f"cannot bring back {name}: {exc}") from None
-    except Exception as exc:
-        raise TypeError(f"cannot bring back {name} ({type(value).__name__}): it cannot be sent between processes "
-                        f"({type(exc).__name__}: {exc}); bring back numbers, text, containers, NumPy arrays, "
-                        "a Trace or a Measurement") from None
-    (work_dir / f"{name}.value").write_bytes(data)
-
-
-def _decode(name: str, work_dir: Path) -> Any:
-    import pickle
-
-    try:
-        return pickle.loads((work_dir / f"{name}.value").read_bytes())
-    except Exception as exc:
-        raise FreshRunError(f"cannot bring back {name}: this kernel cannot rebuild it "
-                            f"({type(exc).__name__}: {exc}).") from None
-
-
-def _child_main(work: str) -> int:
-    work_dir = Path(work)
-    job = pickle.loads((work_dir / "job.pickle").read_bytes())
-    result_file = work_dir / "result.json"
-
-    if job["setup"] is not None:
-        from ..tf.device_setup import setup
-
-        try:
-            setup(**job["setup"])
-        except SetupError as exc:
-            result_file.write_text(json.dumps({"setup_error": str(exc)}))
-            return 2
-
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance(colors="nocolor")
-    shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
-    shell.run_line_magic("load_ext", "tfmem_widgets")
-    from ..notebook import hazards
-    from ..oom import watch as oom_watch
-
-    oom_watch.say_refusals = False  # this process's stderr reaches the user only at its end
-    hazards.in_fresh_process = True
-    outcome = shell.run_cell(job["code"], store_history=False)
-    failure = outcome.error_before_exec or outcome.error_in_exec
-    if failure is not None:
-        report = oom_watch.last_oom()
-        if report is not None:  # explained here, where its limits and Keras layers are known
-            try:
-                (work_dir / "oom.value").write_bytes(_Pickler.dumps(report))
-            except Exception:
-                pass
-        result_file.write_text(json.dumps({"error": type(failure).__name__}))
-        return 1
-    for name in job["returns"]:
-        if name not in shell.user_ns:
-            print(f"{name} was not defined by the cell; nothing to bring back.")
-            result_file.write_text(json.dumps({"error": "NameError"}))
-            return 1
-        try:
-            _encode(name, shell.user_ns[name], work_dir)
-        except TypeError as exc:
-            print(exc)
-            result_file.write_text(json.dumps({"error": "TypeError"}))
-            return 1
-    result_file.write_text(json.dumps({"values": job["returns"]}))
-    sys.stdout.flush()
-    return 0

@@ -24,17 +24,17 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import pickle
 import shutil
 import tempfile
-import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..errors import SetupError
 from ..text import LinesText
 from ..units import MiB, format_bytes
+from .probe import Probe, first_line, probe_in_fresh_process
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
@@ -43,23 +43,6 @@ GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # the host pipeline's peaked at 85% of the limit.
 NUMPY_NOTE = ("the probes hold one batch; model.fit(x, y) with NumPy arrays also puts the whole arrays on the "
               "device: feed a tf.data pipeline built on the host (with tf.device('CPU:0')), or leave room for them")
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One fresh process: `batch` examples, `steps` train steps."""
-
-    batch: int
-    peak_bytes: int | None  # the allocator's highest in use during the steps; None: out of memory
-    seconds: float
-    verdict: str | None = None  # the OOM report's verdict
-    request_bytes: int | None = None  # the request that failed
-    died: str | None = None  # how the process ended when the OOM killed it (an XLA program's)
-    stage: str = "train"  # "build": build_model() itself ran out of memory
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_bytes is not None
 
 
 @dataclass(repr=False)
@@ -85,7 +68,7 @@ class BatchSearch(LinesText):
         edge, say); they join `probes`, so `largest`, `edge`, the plot and the warnings follow."""
         if self._run is None:
             raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
-        batches = [_check_int("batch", b, 1) for b in batches]
+        batches = [check_count("batch", b, 1) for b in batches]
         with self._probing() as probe_one:
             return [probe_one(batch) for batch in batches]
 
@@ -93,8 +76,6 @@ class BatchSearch(LinesText):
     def _probing(self):
         """While the functions' file exists: a function that runs one probe in a fresh process set
         up like the others and adds it to `probes`."""
-        from .fresh import FreshRunError, run_fresh
-
         functions, setup, env, timeout = self._run
         work = tempfile.mkdtemp(prefix="tfmem-batch-")
         try:
@@ -102,7 +83,9 @@ class BatchSearch(LinesText):
             path.write_bytes(functions)
 
             def probe_one(batch: int) -> Probe:
-                probe = _probe(run_fresh, FreshRunError, path, batch, self.steps, setup, env, timeout, self)
+                probe = probe_in_fresh_process(path, batch, self.steps, setup, env, timeout)
+                if probe.limit_bytes is not None and self.limit_bytes is None:
+                    self.limit_bytes, self.limit_source = probe.limit_bytes, probe.limit_source
                 self.probes.append(probe)
                 return probe
 
@@ -186,6 +169,16 @@ class BatchSearch(LinesText):
         if limit_bytes >= self.limit_bytes:
             return measured if (limit_bytes == self.limit_bytes and failure is not None) else max(line, measured)
         return min(line, measured) if failure is not None else line
+
+    def within_margin_bytes(self, limit_bytes: int) -> int:
+        """The part of a limit a batch may use with the search's margin kept free."""
+        return int(limit_bytes * (1 - self.margin))
+
+    def limit_needed_bytes(self, batch: int) -> int | None:
+        """The limit `batch` needs by the line through the peaks, with the margin kept free (None
+        without a line)."""
+        need = self.needs_bytes(batch)
+        return None if need is None else int(need / (1 - self.margin))
 
     def _line_batch(self, limit_bytes: int) -> int | None:
         """Where the line through the peaks meets `limit_bytes` (what the search aims at)."""
@@ -299,16 +292,18 @@ class BatchSearch(LinesText):
 
 # -- the search ----------------------------------------------------------------------------
 
-def _check_int(name: str, value, least: int) -> int:
+def check_count(name: str, value, least: int, who: str = "max_batch_size") -> int:
+    """A whole number of at least `least` (low, high, steps, a probe's batch), or one line."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise SetupError(f"max_batch_size: {name} must be a whole number of at least {least}, got {value!r}.")
+        raise SetupError(f"{who + ': ' if who else ''}{name} must be a whole number of at least {least}, got {value!r}.")
     return int(value)
 
 
-def _check_fraction(name: str, value, top: float) -> float:
+def check_fraction(name: str, value, top: float, who: str = "max_batch_size") -> float:
+    """A number from 0 to under `top` (margin, resolution), or one line."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < top \
             or not math.isfinite(value):
-        raise SetupError(f"max_batch_size: {name} must be a number from 0 to under {top:g}, got {value!r}.")
+        raise SetupError(f"{who + ': ' if who else ''}{name} must be a number from 0 to under {top:g}, got {value!r}.")
     return float(value)
 
 
@@ -323,122 +318,46 @@ def _where(setup: Mapping | None) -> str:
     return "the default device, set up by TensorFlow's defaults"
 
 
-_PROBE_CODE = """
-from tfmem_widgets.fit.search import _run_probe
-probe = _run_probe({path!r}, {batch}, {steps})
-"""
+class LineProgress:
+    """A search's progress as a line per probe (a terminal, a script); the notebook layer gives a bar
+    with the same three methods (`progress=` takes any such object)."""
 
-
-def _examples(data) -> tuple[int | None, str]:
-    """How many examples a batch (x, y) or x holds, and x's shape for a message."""
-    x = data[0] if isinstance(data, (tuple, list)) and data else data
-    if isinstance(x, Mapping):
-        x = next(iter(x.values()), None)
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) == 0:
-        return None, f"a {type(x).__name__}"
-    return int(shape[0]), f"x of shape {tuple(int(d) for d in shape)}"
-
-
-def _run_probe(path: str, batch: int, steps: int) -> dict:
-    """In the probe's process: build, make the batch, fit `steps` steps of it, measure."""
-    build_model, make_batch = pickle.loads(Path(path).read_bytes())
-    import tensorflow as tf  # after the setup, which ran first
-
-    from ..readings.measure import measure
-    from ..oom.report import is_oom, limits_for
-    from ..oom.watch import explain_oom
-
-    try:
-        model = build_model()
-    except Exception as exc:
-        if is_oom(exc):  # the model alone does not fit
-            report = explain_oom(exc)
-            return {"oom": True, "stage": "build", "verdict": report.verdict, "request": report.request_bytes,
-                    "limit": report.limit_bytes, "limit_source": report.limit_source, "seconds": 0.0}
-        return {"error": f"build_model() raised {type(exc).__name__}: {_first_line(exc)}"}
-    if not hasattr(model, "train_on_batch"):
-        return {"error": f"build_model() returned a {type(model).__name__}, not a compiled Keras model"}
-    try:
-        data = make_batch(batch)
-    except Exception as exc:
-        return {"error": f"make_batch({batch}) raised {type(exc).__name__}: {_first_line(exc)}"}
-    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-        return {"error": f"make_batch({batch}) returned a {type(data).__name__}; it must return (x, y)"}
-    count, shape = _examples(data)
-    if count != batch:
-        return {"error": f"make_batch({batch}) returned {count if count is not None else 'no'} examples ({shape}); "
-                         f"it must return exactly {batch}"}
-    started = time.perf_counter()
-    result: dict[str, Any] = {}
-    try:
-        # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
-        # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
-        # a 16000 MB limit, fit at the same batch ran out of memory).
-        steps_data = tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
-        with measure() as m:
-            model.fit(steps_data, epochs=1, verbose=0)
-        result.update(peak=m.highest_bytes, device=m.device)
-    except Exception as exc:
-        if not is_oom(exc):
-            return {"error": f"the train step at batch {batch} raised {type(exc).__name__}: {_first_line(exc)}"}
-        report = explain_oom(exc)
-        result.update(oom=True, verdict=report.verdict, request=report.request_bytes, allocator=report.allocator)
-        del exc
-    result["seconds"] = time.perf_counter() - started
-    allocator = result.get("allocator") or ("bfc_cpu_allocator_for_gpu" if str(result.get("device", "")).startswith("CPU")
-                                            else "GPU_0_bfc")
-    limit, source, _, _ = limits_for(allocator)
-    result.update(limit=limit, limit_source=source)
-    return result
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
-
-
-class _Progress:
-    """A bar in a notebook, a line per probe elsewhere; silent when off."""
-
-    def __init__(self, mode, most: int):
-        self.mode = mode
-        self.bar = self.label = None
-        if mode is None:
-            try:
-                from IPython import get_ipython
-
-                shell = get_ipython()
-                mode = "bar" if shell is not None and type(shell).__name__ == "ZMQInteractiveShell" else "lines"
-            except ImportError:
-                mode = "lines"
-        self.mode = mode if mode else "off"
-        if self.mode == "bar":
-            import ipywidgets as w
-            from IPython.display import display
-
-            self.bar = w.IntProgress(value=0, min=0, max=most, description="probes")
-            self.label = w.Label("starting the first probe")
-            display(w.HBox([self.bar, self.label]))
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
 
     def probing(self, count: int, batch: int) -> None:
-        if self.mode == "bar":
-            self.label.value = f"probe {count}: batch {batch:,} ..."
+        pass
 
     def probed(self, count: int, probe: Probe) -> None:
-        what = f"trained, peak {format_bytes(probe.peak_bytes)}" if probe.fits else "out of memory"
-        line = f"probe {count}: batch {probe.batch:,} {what} ({probe.seconds:.1f} s)"
-        if self.mode == "bar":
-            self.bar.value = count
-            self.label.value = line
-        elif self.mode == "lines":
-            print(f"tfmem batch: {line}", flush=True)
+        if not self.quiet:
+            print(f"tfmem batch: {probe_line(count, probe)}", flush=True)
 
     def done(self, search: BatchSearch) -> None:
-        if self.mode == "bar":
-            self.bar.max = max(self.bar.value, 1)
-            self.bar.bar_style = "warning" if search.interrupted else "success"
-            self.label.value = (f"{len(search.probes)} probes: largest batch that trained "
-                                f"{search.largest:,}" if search.largest else "nothing trained")
+        pass
+
+
+def probe_line(count: int, probe: Probe) -> str:
+    what = f"trained, peak {format_bytes(probe.peak_bytes)}" if probe.fits else "out of memory"
+    return f"probe {count}: batch {probe.batch:,} {what} ({probe.seconds:.1f} s)"
+
+
+# The progress of a search when none is asked for: a factory (the most probes -> a progress, or None
+# for lines); the extension sets one that shows a bar in a notebook.
+default_progress = None
+
+
+def _progress(progress, most: int):
+    if progress is False:
+        return LineProgress(quiet=True)
+    if progress == "lines":
+        return LineProgress()
+    if progress in (None, "bar"):
+        shown = default_progress(most, progress == "bar") if default_progress is not None else None
+        if shown is None and progress == "bar":
+            raise SetupError("max_batch_size: progress='bar' is a notebook widget: load the extension first "
+                             "(%load_ext tfmem_widgets), or pass progress='lines'.")
+        return shown or LineProgress()
+    return progress
 
 
 def _next_batch(search: BatchSearch, past: list[int]) -> int | None:
@@ -487,44 +406,47 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     margin:      the fraction of the limit `recommended` leaves free.
     resolution:  the search stops when the edge is known within this fraction of the batch.
     probe_timeout: seconds before a probe, and every process it started, is stopped.
-    progress:    None: a bar in a notebook, a line per probe elsewhere; "lines"; False: silent.
+    progress:    None: a bar in a notebook (with the extension loaded), a line per probe elsewhere; "lines";
+                 False: silent; or an object with probing(count, batch), probed(count, probe), done(search).
     env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}:
                  on a GPU, XLA's GEMM autotuner makes an XLA step past the edge wait (refused scratch,
                  10 s a refusal) for minutes instead of raising.
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
-    from .fresh import _check_request, _check_timeout
+    from .fresh import check_request, check_timeout
 
     if not callable(build_model) or not callable(make_batch):
         bad = "build_model" if not callable(build_model) else "make_batch"
         raise SetupError(f"max_batch_size: {bad} must be a function, got {type(locals()[bad]).__name__}.")
-    low, high = _check_int("low", low, 1), _check_int("high", high, 1)
+    low, high = check_count("low", low, 1), check_count("high", high, 1)
     if low > high:
         raise SetupError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
-    steps = _check_int("steps", steps, 1)
-    max_probes = _check_int("max_probes", max_probes, 2)
-    margin = _check_fraction("margin", margin, 1)
-    resolution = _check_fraction("resolution", resolution, 0.5)
+    steps = check_count("steps", steps, 1)
+    max_probes = check_count("max_probes", max_probes, 2)
+    margin = check_fraction("margin", margin, 1)
+    resolution = check_fraction("resolution", resolution, 0.5)
     if resolution == 0:
         raise SetupError("max_batch_size: resolution must be above 0 (a fraction of the batch, e.g. 0.01).")
-    timeout = _check_timeout(probe_timeout)
-    setup = _check_request(setup, env)
+    timeout = check_timeout(probe_timeout)
+    setup = check_request(setup, env)  # checked once here; each probe's process applies it to its machine
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    if progress not in (None, False, "lines", "bar"):
-        raise SetupError(f"max_batch_size: progress must be None, False, 'lines' or 'bar', got {progress!r}.")
+    if progress not in (None, False, "lines", "bar") and not all(
+            callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
+        raise SetupError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
+                         f"probed() and done(), got {progress!r}.")
     try:
         import cloudpickle
 
         functions = cloudpickle.dumps((build_model, make_batch))
     except Exception as exc:
         raise SetupError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
-                         f"({type(exc).__name__}: {_first_line(exc)}); define them at the top level of a cell "
+                         f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
                          "or a module.") from None
 
     search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
                          lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
-    bar = _Progress(progress, max_probes)
+    bar = _progress(progress, max_probes)
     past: list[int] = []
     with search._probing() as probe_one:
         batch: int | None = low
@@ -554,30 +476,3 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                             "was not searched, and the recommended batch stays below every failure")
     bar.done(search)
     return search
-
-
-def _probe(run_fresh, FreshRunError, path: Path, batch: int, steps: int, setup, env, timeout,
-           search: BatchSearch) -> Probe:
-    started = time.perf_counter()
-    code = _PROBE_CODE.format(path=str(path), batch=batch, steps=steps)
-    try:
-        run = run_fresh(code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False)
-    except FreshRunError as exc:
-        seconds = time.perf_counter() - started
-        oom = getattr(exc, "oom", None)
-        if oom is not None:  # the OOM ended the process (an XLA program's): its dump was read
-            died = str(exc).split("the fresh process ", 1)[-1].split(" after", 1)[0]
-            return Probe(batch, None, seconds, oom.verdict, oom.request_bytes, died=died)
-        if getattr(exc, "timed_out", False):
-            raise SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
-                             "with every process it started; raise probe_timeout or lower high.") from None
-        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: {exc}") from None
-    value = run.values["probe"]
-    if "error" in value:
-        raise SetupError(f"max_batch_size: {value['error']}.")
-    if value.get("limit") is not None and search.limit_bytes is None:
-        search.limit_bytes, search.limit_source = value["limit"], value["limit_source"]
-    if value.get("oom"):
-        return Probe(batch, None, time.perf_counter() - started, value["verdict"], value["request"],
-                     stage=value.get("stage", "train"))
-    return Probe(batch, int(value["peak"]), time.perf_counter() - started)

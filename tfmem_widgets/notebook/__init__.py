@@ -1,1 +1,3 @@
-"""The notebook layer: magics, cell hooks, hazards said before a cell, the fresh child's shell, widgets. The only layer that imports IPython or ipywidgets."""
+"""The notebook layer: magics, cell hooks, hazards said before a cell, the fresh child's shell, widgets.
+
+The only layer that imports IPython or ipywidgets; the core never imports it."""

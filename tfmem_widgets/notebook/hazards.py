@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 import sys
 
-from ..tf.runtime import lab_setting, onednn_enabled, setup_env
+from ..tf.lab import lab_setting
+from ..tf.runtime import onednn_enabled, setup_env
 
 _XLA_IN_CELL = re.compile(r"jit_compile\s*=\s*(True|['\"]auto['\"]|1)\b|experimental_compile\s*=\s*True")
 _KERAS_WORK = re.compile(r"\.fit\s*\(|\.train_on_batch\s*\(|\.evaluate\s*\(|\.predict\s*\(|tf\.function|"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 from IPython.core.error import UsageError
@@ -11,23 +10,16 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.process import arg_split
 
-from ..tf.device_setup import setup
 from ..errors import SetupError
 from ..readings.measure import measure
 from ..readings.report import report
-from ..tf.setup_rules import (
-    ALLOCATORS,
-    parse_count,
-    parse_gpus,
-    parse_limit,
-    parse_mb,
-    parse_mb_or_zero,
-    parse_split,
-)
+from ..tf.device_setup import setup
+from ..tf.options import OPTION_NAMES, SETUP_OPTIONS
 from ..tracing.block import trace
 
+
 def _typed(parse):
-    """A setup_rules parser as an argparse type: its refusal becomes the option's error."""
+    """A setup option's parser as an argparse type: its refusal becomes the option's error."""
 
     def parse_text(text: str):
         try:
@@ -39,49 +31,57 @@ def _typed(parse):
     return parse_text
 
 
-_mb, _count, _mb_or_zero = _typed(parse_mb), _typed(parse_count), _typed(parse_mb_or_zero)
-_limit, _split, _gpus = _typed(parse_limit), _typed(parse_split), _typed(parse_gpus)
+
+def _core_check(check, read=float, what="seconds"):
+    """An argparse type: the text read as a number, then the core's own check of the value."""
+
+    def parse_text(text: str):
+        try:
+            value = read(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            return check(value)
+        except SetupError as exc:
+            raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+    return parse_text
 
 
 def _seconds(text: str) -> float:
     """A gauge's interval: the sampler's rule (check_interval)."""
     from ..readings.sampler import check_interval
 
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    try:
-        return check_interval(value)
-    except SetupError as exc:
-        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+    return _core_check(check_interval)(text)
 
 
 def _window(text: str) -> float:
     """The recorder's window: its rule (check_window)."""
     from ..tracing.recorder import check_window
 
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    try:
-        return check_window(value)
-    except SetupError:
-        raise argparse.ArgumentTypeError(f"expected seconds between 1 and 3600, got {text!r}") from None
+    return _core_check(check_window)(text)
 
 
 def _fresh_timeout(text: str) -> float | None:
-    """Seconds, or 'none' for no limit (a long training cell)."""
+    """Seconds, or 'none' for no limit (a long training cell): run_fresh's rule (check_timeout)."""
+    from ..fit.fresh import check_timeout
+
     if text.strip().lower() == "none":
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0.01):
-        raise argparse.ArgumentTypeError(f"expected at least 0.01 seconds, or 'none' for no limit, got {text!r}")
-    return value
+    return _core_check(lambda value: check_timeout(value, no_limit="none"), what="seconds or 'none'")(text)
+
+
+def _search_count(name: str):
+    from ..fit.search import check_count
+
+    return _core_check(lambda value: check_count(name, value, 1, who=""), read=int, what="a whole number")
+
+
+def _fraction(text: str) -> float:
+    """The search's margin: its rule (check_fraction)."""
+    from ..fit.search import check_fraction
+
+    return _core_check(lambda value: check_fraction("margin", value, 1, who=""), what="a fraction")(text)
 
 
 class _Once(argparse.Action):
@@ -96,25 +96,21 @@ class _Once(argparse.Action):
 
 
 def _add_setup_arguments(s):
-    """The options of %tfmem setup (also those of %%tfmem fresh)."""
-    s.add_argument("--lab", type=_mb, action=_Once, metavar="MB", dest="lab_mb",
-                   help="lab mode: TensorFlow's CPU allocator becomes its BFC allocator with this limit")
-    growth = s.add_mutually_exclusive_group()
-    growth.add_argument("--growth", action="store_const", const=True, dest="growth",
-                        help="memory growth on every visible GPU (tf.config)")
-    growth.add_argument("--no-growth", action="store_const", const=False, dest="growth",
-                        help="preallocate (TensorFlow's default)")
-    s.add_argument("--force-growth", action="store_const", const=True, dest="force_growth",
-                   help="TF_FORCE_GPU_ALLOW_GROWTH=true: growth that also works with --limit/--split")
-    s.add_argument("--limit", type=_limit, action=_Once, metavar="MB|GPU=MB,...", dest="limit_mb",
-                   help="memory limit for every visible GPU, or per GPU (0=4096,1=2048)")
-    s.add_argument("--split", type=_split, action=_Once, metavar="N|MB,MB,...",
-                   help="logical devices per GPU: a count (divides the limit) or sizes in MB")
-    s.add_argument("--gpus", type=_gpus, action=_Once, metavar="0,1|none", help="the GPUs TensorFlow may use")
-    s.add_argument("--allocator", action=_Once, choices=list(ALLOCATORS), help="TF_GPU_ALLOCATOR")
-    s.add_argument("--reserve", type=_mb_or_zero, action=_Once, metavar="MB", dest="reserve_mb",
-                   help="TF_DEVICE_MIN_SYS_MEMORY_IN_MB: memory TensorFlow leaves free per GPU")
-    s.add_argument("--cpus", type=_count, action=_Once, metavar="N", help="split the CPU into N logical devices")
+    """The options of %tfmem setup (also those of %%tfmem fresh and batch): the one list of them."""
+    for option in SETUP_OPTIONS:
+        if option.off_flag:
+            switch = s.add_mutually_exclusive_group()
+            switch.add_argument(option.flag, action="store_const", const=True, dest=option.name, help=option.help)
+            switch.add_argument(option.off_flag, action="store_const", const=False, dest=option.name,
+                                help=option.off_help)
+        elif option.switch:
+            s.add_argument(option.flag, action="store_const", const=True, dest=option.name, help=option.help)
+        elif option.choices:
+            s.add_argument(option.flag, action=_Once, choices=list(option.choices), dest=option.name,
+                           help=option.help)
+        else:
+            s.add_argument(option.flag, type=_typed(option.parse), action=_Once, metavar=option.metavar,
+                           dest=option.name, help=option.help)
 
 
 def _env_assignment(text: str) -> tuple[str, str]:
@@ -194,10 +190,11 @@ def _parsers():
     )
     batch.add_argument("mode", choices=["batch"])
     _add_setup_arguments(batch)
-    batch.add_argument("--low", type=_count, action=_Once, default=1, metavar="N", help="the smallest batch (default 1)")
-    batch.add_argument("--high", type=_count, action=_Once, default=65536, metavar="N",
+    batch.add_argument("--low", type=_search_count("low"), action=_Once, default=1, metavar="N",
+                       help="the smallest batch (default 1)")
+    batch.add_argument("--high", type=_search_count("high"), action=_Once, default=65536, metavar="N",
                        help="the largest batch (default 65536)")
-    batch.add_argument("--steps", type=_count, action=_Once, default=2, metavar="K",
+    batch.add_argument("--steps", type=_search_count("steps"), action=_Once, default=2, metavar="K",
                        help="train steps a probe runs (default 2)")
     batch.add_argument("--margin", type=_fraction, action=_Once, default=0.0, metavar="F",
                        help="the fraction of the limit the recommended batch leaves free (default 0)")
@@ -209,18 +206,7 @@ def _parsers():
     return line, cell, fresh, batch
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to under 1, got {text!r}")
-    return value
-
-
 _LINE_PARSER, _CELL_PARSER, _FRESH_PARSER, _BATCH_PARSER = _parsers()
-_SETUP_OPTIONS = ("growth", "force_growth", "limit_mb", "split", "gpus", "allocator", "lab_mb", "reserve_mb", "cpus")
 
 
 def _parse(parser: MagicArgumentParser, text: str):
@@ -273,18 +259,18 @@ class TfmemMagics(Magics):
                     return None
                 return recorder.record(args.window)
             if args.command == "oom":
-                from ..oom.watch import last_oom
+                from ..oom.explain import last_oom
 
                 found = last_oom()
                 if found is None:
                     print("no OOM explained in this process yet")
                 return found
-            return setup(**{name: getattr(args, name) for name in _SETUP_OPTIONS})
+            return setup(**{name: getattr(args, name) for name in OPTION_NAMES})
         except SetupError as exc:
             raise UsageError(str(exc)) from None
 
     def _watch(self, args):
-        from ..tf.runtime import resolve_device
+        from ..tf.devices import resolve_device
         from .widgets.gauge import Gauge, stop_all
 
         if args.action == "stop":
@@ -360,7 +346,7 @@ class TfmemMagics(Magics):
     def _fresh(self, args, cell: str):
         from ..fit.fresh import FreshRunError, run_fresh
 
-        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        options = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name) is not None}
         returns = list(dict.fromkeys(name for names in args.returns for name in names))
         names = [name for name, _ in args.env]
         twice = sorted({name for name in names if names.count(name) > 1})
@@ -395,7 +381,7 @@ class TfmemMagics(Magics):
         if missing:
             raise UsageError(f"%%tfmem batch: the cell must define {' and '.join(missing)}(): build_model() returns "
                              "a compiled Keras model, make_batch(n) one batch (x, y) of n examples.")
-        options = {name: getattr(args, name) for name in _SETUP_OPTIONS if getattr(args, name) is not None}
+        options = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name) is not None}
         try:
             search = max_batch_size(namespace["build_model"], namespace["make_batch"], setup=options or None,
                                     low=args.low, high=args.high, steps=args.steps, margin=args.margin,

@@ -19,8 +19,8 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..tracing.attribution import FUNCTION
 from ..units import format_bytes
-from ..tracing.wire import _FUNCTION
 
 PARAMETERS = "parameters"
 OPTIMIZER_STATE = "optimizer state"
@@ -51,16 +51,14 @@ class KnownVariable:
 
 # -- the user's Keras objects ----------------------------------------------------------------
 
-def user_namespace() -> dict:
-    """The namespace a user's objects live in: IPython's, else __main__'s."""
-    try:
-        from IPython import get_ipython
+# Where the user's objects live: the shell's namespace, set by the extension when it loads.
+namespace_provider = None
 
-        shell = get_ipython()
-    except ImportError:
-        shell = None
-    if shell is not None:
-        return shell.user_ns
+
+def user_namespace() -> dict:
+    """The namespace a user's objects live in: the shell's (the extension's provider), else __main__'s."""
+    if namespace_provider is not None:
+        return namespace_provider()
     main = sys.modules.get("__main__")
     return dict(vars(main)) if main is not None else {}
 
@@ -222,7 +220,7 @@ class OpReader:
         if op.startswith("("):  # no op: the activity that made it, named by the trace's reader
             return op, OTHER
         parts = [p for p in op.split("/") if p]
-        function = next((_FUNCTION.search(p).group(1) for p in parts if _FUNCTION.search(p)), None)
+        function = next((FUNCTION.search(p).group(1) for p in parts if FUNCTION.search(p)), None)
         backward = False
         while parts and (parts[0] in _WRAPPERS or parts[0].startswith("__inference")
                          or parts[0] == "gradient_tape"):

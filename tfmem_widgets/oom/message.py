@@ -1,5 +1,5 @@
-"""A failed allocation: what TensorFlow's OOM message says, and the request as the BFC
-allocator rounds it (256-byte steps)."""
+"""A failed allocation, read from TensorFlow's words: its OOM line (or XLA's), the request as the BFC
+allocator rounds it (256-byte steps), and the compiled step and node an error names."""
 
 from __future__ import annotations
 
@@ -8,20 +8,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_ALLOCATION = 256  # the BFC allocator's smallest chunk and its rounding step
+from ..tf.allocator import OOM_LINE, ROUNDED_REQUEST, UNIT_BYTES, XLA_OOM_LINE, rounded
 
-
-def rounded(n: int) -> int:
-    """Bytes as the BFC allocator hands them out: whole 256-byte steps, at least one."""
-    return max(MIN_ALLOCATION, -(-n // MIN_ALLOCATION) * MIN_ALLOCATION)
-
-
+_STEP = re.compile(r"\[Op:__inference_(\w+?)_\d+\]")
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
 _DTYPE_BYTES = {
     "float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "bool": 1,
     "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
     "complex64": 8, "complex128": 16,
 }
-_OOM = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
 
 
 @dataclass(frozen=True)
@@ -41,16 +36,46 @@ def oom_info(exc: BaseException, dump_text: str) -> OomInfo | None:
 
 def oom_info_of_text(text: str, dump_text: str = "") -> OomInfo | None:
     """oom_info for an error's text (or a log holding TensorFlow's OOM line)."""
-    found = _OOM.search(text)
+    found = OOM_LINE.search(text)
     if not found:
         return None
     message = text[found.start():].splitlines()[0]
     dims = [int(d) for d in found.group(1).replace(" ", "").split(",") if d]
     count = int(np.prod(dims)) if dims else 1
     request = None
-    logged = re.search(r"\(rounded to (\d+)\)", dump_text)
+    logged = ROUNDED_REQUEST.search(dump_text)
     if logged:
         request = int(logged.group(1))
     elif found.group(2) in _DTYPE_BYTES:
         request = rounded(count * _DTYPE_BYTES[found.group(2)])
     return OomInfo(found.group(3).rstrip(".,"), message, request)
+
+
+def step_of(text: str) -> tuple[str | None, str | None]:
+    """(compiled function, node) an error's text names: '[Op:__inference_NAME_N]', '[[{{node X}}]]'."""
+    step, node = _STEP.search(text), _NODE.search(text)
+    return (step.group(1) if step else None), (node.group(1) if node else None)
+
+
+def failed_request(text: str) -> tuple[str | None, int | None, str, bool]:
+    """(allocator, request bytes, TensorFlow's line, from XLA) from an error's text or a log."""
+    info = oom_info_of_text(text, text)
+    if info is not None:
+        return info.allocator, info.request_bytes, info.message, False
+    found = XLA_OOM_LINE.search(text)
+    if found:
+        line = text[found.start():].splitlines()[0]
+        return None, rounded(int(float(found.group(1)) * UNIT_BYTES[found.group(2)])), line, True
+    return None, None, (text.strip().splitlines() or [""])[0][:300], False
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """A ResourceExhaustedError (checked by name: TensorFlow need not be imported), or an
+    error whose text is an allocator's OOM."""
+    if exc is None:
+        return False
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "ResourceExhaustedError" in names:
+        return True
+    text = str(exc)
+    return oom_info_of_text(text) is not None or bool(XLA_OOM_LINE.search(text))

@@ -6,26 +6,21 @@ The state is TensorFlow's own binary MemoryDump (exact), or the text dump of a p
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
 from html import escape
-from pathlib import Path
 
-from ..tracing.allocator_map import AllocatorMap
 from ..errors import TraceDataError
-from .message import oom_info_of_text, rounded
 from ..text import LinesText
+from ..tf.limits import CAPPED_SOURCES
+from ..tracing.allocator_map import AllocatorMap
 from ..units import MiB, format_bytes
+from ..views.pool import occupancy, report_svg
 
 FRAGMENTATION = "fragmentation"
 SHORTAGE = "shortage"
 LIMIT = "limit"
 UNEXPLAINED = "not explained by the dump"
 
-# XLA's own words: "Out of memory while trying to allocate 1.56GiB." (an H200) or "... 123 bytes"
-_XLA_OOM = re.compile(r"Out of memory while trying to allocate ([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)\b")
-_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inconsistent: measured with TensorFlow "
                  "2.21 on an H200 and in lab mode, the process aborts later, when tensors are freed "
                  "(bfc_allocator.cc 'Check failed'), so this kernel will die; keep what you need now, restart, "
@@ -36,9 +31,6 @@ XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inco
 CPU_STEP_NOTE = ("a compiled step on a CPU: its kernels' scratch buffers (sized by this processor's caches) and "
                  "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "
                  "these differ between runs and CPUs; the request and the variables' bytes do not")
-_STEP = re.compile(r"\[Op:__inference_(\w+?)_\d+\]")
-_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
-_LIMIT_SOURCES_CAPPED = ("lab mode", "logical device limit", "memory fraction")
 
 
 def _of_map(name: str) -> property:
@@ -98,7 +90,7 @@ class OomReport(LinesText):
     @property
     def capped(self) -> bool:
         """A limit set below what the card or host has, that the request would fit under."""
-        return (self.limit_source in _LIMIT_SOURCES_CAPPED and self.capacity_bytes is not None
+        return (self.limit_source in CAPPED_SOURCES and self.capacity_bytes is not None
                 and self.limit_bytes is not None and self.limit_bytes < self.capacity_bytes
                 and self.request_bytes is not None and self.map is not None
                 and self.map.in_use_bytes + self.request_bytes <= self.capacity_bytes)
@@ -225,7 +217,7 @@ class OomReport(LinesText):
                    else f"; fragmentation {self.fragmentation:.4f}"))
         lines.append(f"  verdict: {self.verdict}")
         lines += [f"    {r}" for r in self.reasons()]
-        picture = self.map.occupancy() if self.map is not None else ""
+        picture = occupancy(self.map) if self.map is not None else ""
         if picture:
             lines.append(f"  pool [{picture}]  (* in use, _ free, | region)")
         fixes = self.fixes()
@@ -260,7 +252,7 @@ class OomReport(LinesText):
                     ("limit", f"{format_bytes(self.limit_bytes)} ({escape(self.limit_source)})")]
             parts.append("<table>" + "".join(f"<tr><td>{k}</td><td style='text-align:right'>{v}</td></tr>"
                                              for k, v in rows) + "</table>")
-            parts.append(_svg_map(self))
+            parts.append(report_svg(self.map, self.request_bytes, self.largest_free_bytes))
         parts.append(f"<p><b style='color:{color}'>verdict: {escape(self.verdict)}</b><br>"
                      + "<br>".join(escape(r) for r in self.reasons()) + "</p>")
         fixes = self.fixes()
@@ -275,176 +267,3 @@ class OomReport(LinesText):
 
 def _mib_up(n: int) -> int:
     return -(-n // MiB)
-
-
-def _svg_map(report: OomReport, width: int = 640) -> str:
-    """The pool region by region (blue in use, white free), and the request against the
-    largest hole, on one scale."""
-    amap = report.map
-    regions = list(amap.regions)
-    scale = width / max([r.size for r in regions] + [report.request_bytes or 0, 1])
-    row = 16
-    height = row * (len(regions) + 1) + 4
-    shapes = []
-    for k, region in enumerate(regions):
-        y = k * row + 2
-        shapes.append(f"<rect x='0' y='{y}' width='{region.size * scale:.1f}' height='{row - 4}' "
-                      "fill='white' stroke='#1f77b4' stroke-width='0.6'/>")
-        for c in amap.chunks:
-            if c.in_use and region.address <= c.address < region.address + region.size:
-                shapes.append(f"<rect x='{(c.address - region.address) * scale:.1f}' y='{y}' "
-                              f"width='{max(c.size * scale, 0.5):.1f}' height='{row - 4}' fill='#1f77b4'/>")
-    y = len(regions) * row + 2
-    if report.request_bytes:
-        shapes.append(f"<rect x='0' y='{y}' width='{report.request_bytes * scale:.1f}' height='{row - 4}' fill='#d62728'/>")
-        shapes.append(f"<rect x='0' y='{y}' width='{(report.largest_free_bytes or 0) * scale:.1f}' height='{row - 4}' "
-                      "fill='none' stroke='black' stroke-width='1.2'/>")
-    return (f"<svg width='{width + 2}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(shapes)}</svg>"
-            "<br><small>one row per region (blue in use, white free); red: the request, black: the largest hole</small>")
-
-
-# -- building a report ----------------------------------------------------------------------
-
-def step_of(text: str) -> tuple[str | None, str | None]:
-    """(compiled function, node) an error's text names: '[Op:__inference_NAME_N]', '[[{{node X}}]]'."""
-    step, node = _STEP.search(text), _NODE.search(text)
-    return (step.group(1) if step else None), (node.group(1) if node else None)
-
-
-def failed_request(text: str) -> tuple[str | None, int | None, str, bool]:
-    """(allocator, request bytes, TensorFlow's line, from XLA) from an error's text or a log."""
-    info = oom_info_of_text(text, text)
-    if info is not None:
-        return info.allocator, info.request_bytes, info.message, False
-    found = _XLA_OOM.search(text)
-    if found:
-        line = text[found.start():].splitlines()[0]
-        return None, rounded(int(float(found.group(1)) * _UNITS[found.group(2)])), line, True
-    return None, None, (text.strip().splitlines() or [""])[0][:300], False
-
-
-def is_oom(exc: BaseException | None) -> bool:
-    """A ResourceExhaustedError (checked by name: TensorFlow need not be imported), or an
-    error whose text is an allocator's OOM."""
-    if exc is None:
-        return False
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    if "ResourceExhaustedError" in names:
-        return True
-    text = str(exc)
-    return oom_info_of_text(text) is not None or bool(_XLA_OOM.search(text))
-
-
-def limits_for(allocator: str) -> tuple[int | None, str, int | None, str]:
-    """(limit, its source, capacity, what has it) for an allocator of this process."""
-    from ..readings.allocator import device_limit
-    from ..tf.runtime import LAB_ALLOCATOR_NAME, lab_limit_bytes, logical_devices, runtime_started
-
-    if allocator == LAB_ALLOCATOR_NAME:
-        limit = lab_limit_bytes()
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            total = None
-        return limit, "lab mode", total, "host's memory"
-    found = re.fullmatch(r"GPU_(\d+)_bfc", allocator)
-    if not found:
-        return None, "unknown", None, ""
-    index = int(found.group(1))
-    devices = [d for d in logical_devices() if d.device_type == "GPU"]
-    if index >= len(devices):
-        return None, "unknown", None, ""
-    device = devices[index]
-    limit = device_limit(device, runtime_started(), None)
-    capacity, capacity_source = None, ""
-    try:
-        from ..readings.allocator import driver_view
-        from ..tf.runtime import physical_gpus
-
-        view = driver_view(physical_gpus())
-        memory = view.by_gpu.get(device.physical_index)
-        if memory is not None:
-            capacity, capacity_source = memory.total_bytes, "card"
-    except Exception:
-        pass
-    return limit.bytes, limit.source, capacity, capacity_source
-
-
-def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, xla: bool = False,
-                     dump_path: str | None = None, live: bool = False, namespace: dict | None = None,
-                     notes=(), text: str = "") -> OomReport:
-    """An OomReport for a dump. live: the dump is of this process's allocator, so its limit is
-    read from this process and the Keras variables of the namespace name their chunks. text: the
-    error's whole text (the compiled step and node it names)."""
-    limit, source, capacity, capacity_source = (None, "unknown", None, "")
-    if dump.limit_bytes is not None:
-        limit, source = dump.limit_bytes, "the allocator's log"
-    if live:
-        found = limits_for(dump.allocator)
-        if found[0] is not None or limit is None:
-            limit, source = found[0], found[1]
-        capacity, capacity_source = found[2], found[3]
-    anatomy = None
-    if live:
-        from .layers import anatomy as make_anatomy
-        from ..tracing.recorder import name_chunks
-
-        dump, recorded = name_chunks(dump, _dump_time_ns(dump_path))
-        if recorded:
-            notes = (*notes, "ops from the recorder (%tfmem record): chunks made before it started carry none")
-
-        try:
-            anatomy = make_anatomy(dump, namespace=namespace, live=True)
-        except Exception as exc:  # the namespace's objects are the user's: never fail the report
-            notes = (*notes, f"the layers could not be read ({type(exc).__name__})")
-    amap = dump
-    if request is not None and dump.failed_request_bytes is None:
-        from dataclasses import replace
-
-        amap = replace(dump, failed_request_bytes=request)
-    step, node = step_of(text)
-    return OomReport(dump.allocator, message, request, amap, limit, source, capacity, capacity_source,
-                     dump_path, xla, anatomy, tuple(notes), step, node)
-
-
-def _dump_time_ns(path: str | None) -> int | None:
-    """TensorFlow names a dump <prefix>_<allocator>.<microseconds since the epoch>."""
-    suffix = (path or "").rsplit(".", 1)[-1]
-    return int(suffix) * 1000 if suffix.isdigit() and len(suffix) >= 15 else None
-
-
-def explain_text(text: str) -> OomReport:
-    """A log pasted from a job: TensorFlow's text dump and its OOM line."""
-    from ..tracing.dumps import parse_bfc_dump
-
-    allocator, request, line, xla = failed_request(text)
-    if "Next region of size" not in text:
-        return OomReport(allocator or "unknown", line, request, None, xla=xla,
-                         notes=("the text holds no allocator dump (the 'Next region of size' lines TensorFlow "
-                                "logs at an OOM): paste the whole log",))
-    dump = parse_bfc_dump(text)
-    return report_from_dump(dump, line, request if request is not None else dump.failed_request_bytes, xla=xla,
-                            text=text)
-
-
-def explain_path(path: str | os.PathLike) -> OomReport:
-    """A file: TensorFlow's binary MemoryDump, or a text log."""
-    from ..tracing.dumps import load_memory_dump
-
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise TraceDataError(f"cannot read {path}: {exc.strerror or exc}.") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and ("Next region of size" in text or "OOM when allocating" in text
-                             or "Out of memory" in text):
-        return explain_text(text)
-    dump = load_memory_dump(p)
-    return report_from_dump(dump, f"TensorFlow's dump of {dump.allocator}", dump.failed_request_bytes,
-                            dump_path=str(p),
-                            notes=("a dump alone does not say the failed request: pass the error or the log "
-                                   "for the verdict",))

@@ -1,1 +1,3 @@
-"""Figures at one moment and over a block: the allocator's counters, exact peaks (measure), the whole report, the sampler's thread."""
+"""Figures at one moment and over a block.
+
+The allocator's counters, exact peaks (measure), the whole report, the sampler's thread."""

@@ -13,15 +13,17 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import SetupError
-from .allocator import note_peak, read_allocator
-from ..tf.runtime import lab_limit_bytes, resolve_device, runtime_started, tensorflow
+from ..tf.devices import resolve_device
+from ..tf.lab import lab_limit_bytes
+from ..tf.runtime import runtime_started, tensorflow
 from ..units import format_bytes, format_exact
+from .allocator import note_peak, read_allocator
 
 _lock = threading.RLock()
-_active: list["Measurement"] = []
+_active: list[Measurement] = []
 
 
-def running_measurements() -> tuple["Measurement", ...]:
+def running_measurements() -> tuple[Measurement, ...]:
     """The measure() blocks running now, outermost first."""
     with _lock:
         return tuple(_active)

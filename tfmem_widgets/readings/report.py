@@ -12,22 +12,17 @@ from html import escape
 
 import psutil
 
-from ..tf import nvml
-from ..tf.system_reserve import system_reserve
-from .allocator import device_limit, driver_view, process_peak, read_allocator
 from ..errors import SetupError
-from ..tf.runtime import (
-    LogicalDevice,
-    PhysicalGpu,
-    lab_setting,
-    logical_devices,
-    physical_gpus,
-    runtime_started,
-    setup_env_changed,
-    tensorflow,
-)
 from ..text import LinesText
+from ..tf import nvml
+from ..tf.devices import LogicalDevice, PhysicalGpu, logical_devices, physical_gpus
+from ..tf.lab import lab_setting
+from ..tf.limits import device_limit
+from ..tf.nvml import driver_view
+from ..tf.runtime import runtime_started, setup_env_changed, tensorflow
+from ..tf.system_reserve import system_reserve
 from ..units import MiB, format_bytes
+from .allocator import process_peak, read_allocator
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..tf import nvml
 from ..errors import SetupError
-from .allocator import device_limit, driver_view, process_peak, read_allocator
-from ..tf.runtime import lab_limit_bytes, logical_devices, physical_gpus, runtime_started
+from ..tf import nvml
+from ..tf.devices import logical_devices, physical_gpus
+from ..tf.lab import lab_limit_bytes
+from ..tf.limits import device_limit
+from ..tf.nvml import driver_view
+from ..tf.runtime import runtime_started
+from .allocator import process_peak, read_allocator
 
 DEFAULT_INTERVAL = 0.5
 MIN_INTERVAL = 0.01  # a reading takes about a millisecond: faster would be a busy loop
@@ -173,10 +177,31 @@ class Sampler:
         self._stop = threading.Event()
         self._changed = threading.Event()  # a subscriber came or went: the shortest interval may differ
         self.errors = 0  # callbacks that raised (kept out of the user's log)
+        self._mark_listeners: list[Callable[[str], object]] = []
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # -- marks: a moment worth seeing on what shows the readings (an epoch's end) ----------------
+    def on_mark(self, listener: Callable[[str], object]) -> None:
+        """Call `listener(label)` at each mark (a gauge draws it on its sparkline)."""
+        with self._lock:
+            if listener not in self._mark_listeners:
+                self._mark_listeners.append(listener)
+
+    def mark(self, label: str) -> int:
+        """Mark this moment for every listener; returns how many marked it (each kept from the
+        others' faults)."""
+        with self._lock:
+            listeners = list(self._mark_listeners)
+        marked = 0
+        for listener in listeners:
+            try:
+                marked += int(listener(label) or 0)
+            except Exception:
+                self.errors += 1
+        return marked
 
     @property
     def subscriber_count(self) -> int:
@@ -270,37 +295,3 @@ class Sampler:
 
 sampler = Sampler()
 atexit.register(sampler.stop)
-
-# After each cell, on the main thread: what shows readings reads once (frontends that do not
-# show updates made while a cell runs still get the figures). Widgets register themselves here.
-_after_cell: list[Callable[[], None]] = []
-
-
-def on_after_cell(callback: Callable[[], None]) -> None:
-    """Run `callback` after each cell (once registered, for the life of the process)."""
-    if callback not in _after_cell:
-        _after_cell.append(callback)
-
-
-_on_unload: list[Callable[[], object]] = []
-
-
-def on_unload(callback: Callable[[], object]) -> None:
-    """Run `callback` when the extension is unloaded (gauges stop)."""
-    if callback not in _on_unload:
-        _on_unload.append(callback)
-
-
-def unload() -> None:
-    for callback in list(_on_unload):
-        callback()
-    sampler.stop()
-
-
-def after_cell() -> None:
-    """The extension's post_run_cell: every registered refresh, each kept from the others' faults."""
-    for callback in list(_after_cell):
-        try:
-            callback()
-        except Exception:
-            sampler.errors += 1

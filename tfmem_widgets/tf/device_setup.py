@@ -7,13 +7,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import psutil
-
 from . import nvml
-from ..readings.allocator import driver_view
-from .setup_rules import DeviceState, SetupPlan, SetupRequest, Step, plan_setup
-from .runtime import ONEDNN_ENV
-from .runtime import logical_cpu_count, physical_gpus, runtime_started, setup_env, setup_env_changed, tensorflow
+from .devices import logical_cpu_count, physical_gpus
+from .limits import host_total_bytes
+from .nvml import driver_view
+from .options import OPTION_NAMES, SetupRequest
+from .runtime import ONEDNN_ENV, runtime_started, setup_env, setup_env_changed, tensorflow
+from .setup_rules import DeviceState, SetupPlan, Step, plan_setup
 
 
 def current_state() -> DeviceState:
@@ -36,7 +36,7 @@ def current_state() -> DeviceState:
         gpu_memory=memory,
         nvml_note=note,
         cpu_logical=logical_cpu_count(),
-        host_total_bytes=psutil.virtual_memory().total,
+        host_total_bytes=host_total_bytes(),
         env=env,
         runtime_started=runtime_started(),
         env_notes=tuple(setup_env_changed()),
@@ -157,13 +157,13 @@ def _restore_logical(device, previous):
 
 def setup(
     *,
+    lab_mb: int | None = None,
+    gpus: Sequence[int] | None = None,
     growth: bool | None = None,
     force_growth: bool | None = None,
     limit_mb: int | Mapping[int, int] | None = None,
     split: int | Sequence[int] | None = None,
-    gpus: Sequence[int] | None = None,
     allocator: str | None = None,
-    lab_mb: int | None = None,
     reserve_mb: int | None = None,
     cpus: int | None = None,
 ) -> SetupResult:
@@ -177,18 +177,11 @@ def setup(
     >>> tfmem_widgets.setup(lab_mb=256)            # any machine: the real allocator, 256 MB
     >>> tfmem_widgets.setup(growth=True)           # every GPU grows its pool on demand
     >>> tfmem_widgets.setup(limit_mb=4096, split=2, force_growth=True)
+
+    The keywords are the setup options (tf/options.py SETUP_OPTIONS), one each.
     """
-    request = SetupRequest(
-        growth=growth,
-        force_growth=force_growth,
-        limit_mb=limit_mb,
-        split=split,
-        gpus=gpus,
-        allocator=allocator,
-        lab_mb=lab_mb,
-        reserve_mb=reserve_mb,
-        cpus=cpus,
-    )
+    given = locals()
+    request = SetupRequest(**{name: given[name] for name in OPTION_NAMES})
     onednn_off = _onednn_off_for_lab(request)
     try:
         plan = plan_setup(request, current_state())

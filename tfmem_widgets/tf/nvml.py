@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import NvmlUnavailable
 
+if TYPE_CHECKING:
+    from .devices import PhysicalGpu
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,34 @@ def nvml_index_for_cuda_ordinal(ordinal: int, gpus: list[GpuMemory]) -> int | No
         if gpu.uuid == entry or (entry.startswith("GPU-") and gpu.uuid.startswith(entry)):
             return gpu.index
     return None
+
+
+# -- the driver's reading for each of TensorFlow's GPUs ----------------------------------------
+
+@dataclass(frozen=True)
+class DriverView:
+    """NVML's reading for each of TensorFlow's GPUs (by TensorFlow's index), and why not."""
+
+    readings: tuple[GpuMemory, ...]  # every GPU the driver sees, in NVML's order
+    by_gpu: dict[int, GpuMemory | None]
+    note: str | None  # why NVML could not be read, if it could not
+
+    def nvml_index(self, tf_index: int) -> int | None:
+        memory = self.by_gpu.get(tf_index)
+        return None if memory is None else memory.index
+
+
+def driver_view(gpus: list[PhysicalGpu] | tuple[PhysicalGpu, ...], visible_only: bool = False) -> DriverView:
+    """Map TensorFlow's GPUs (CUDA ordinals) to NVML's readings; a note when NVML is missing."""
+    note = None
+    try:
+        readings = read_gpus()
+    except NvmlUnavailable as exc:
+        readings, note = [], str(exc)
+    by_gpu: dict[int, GpuMemory | None] = {}
+    for gpu in gpus:
+        if visible_only and not gpu.visible:
+            continue
+        index = nvml_index_for_cuda_ordinal(gpu.index, readings)
+        by_gpu[gpu.index] = readings[index] if index is not None else None
+    return DriverView(tuple(readings), by_gpu, note)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .runtime import MIN_SYS_MEMORY_ENV
 from ..units import GiB, MiB
+from .options import MIN_SYS_MEMORY_ENV
 
 _RESERVE_MB_BY_CC_MAJOR = ((6, 500), (7, 1050), (8, 1536))
 _RESERVE_MB_NEWEST = 1800
@@ -35,7 +35,7 @@ def system_reserve(
         return _RESERVE_MB_LOW_MEMORY * MiB, "system reserve when under 2 GiB is free (225 MiB)"
     if cc_major is None:
         return None, "system reserve unknown: compute capability not reported"
-    for highest_major, reserve_mb in _RESERVE_MB_BY_CC_MAJOR:
+    for highest_major, reserve_mb in _RESERVE_MB_BY_CC_MAJOR:  # noqa: B007 - the row found is kept
         if cc_major <= highest_major:
             break
     else:

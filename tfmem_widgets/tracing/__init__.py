@@ -1,1 +1,4 @@
-"""Every allocation of a block: the profiler and the recorder, its events, the XSpace decoder, attribution of unnamed allocations, the pool rebuilt, dumps, the trace and its files."""
+"""Every allocation of a block, and the pool rebuilt from them.
+
+The profiler and the recorder, the allocator events and the XSpace decoder, allocations without an op
+attributed, the replay, TensorFlow's dumps, the trace and its files."""

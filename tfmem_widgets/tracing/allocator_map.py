@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..tf.allocator import fragmentation
 from ..units import format_bytes
+from ..views.pool import occupancy, op_label
 
 
 @dataclass(frozen=True)
@@ -30,20 +32,8 @@ class Region:
 
 
 BEFORE_TRACE = "(before the trace)"
-NO_OP = "(no op recorded)"  # a chunk whose op the profiler did not name
 
 
-def op_label(op: str) -> str:
-    """The name shown for a chunk's op."""
-    return op or NO_OP
-
-
-def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
-    """TensorFlow's fragmentation metric (BFCAllocator::GetFragmentation): the free bytes outside
-    the largest free chunk, over all free bytes; NaN when nothing is free."""
-    if free_bytes <= 0:
-        return float("nan")
-    return (free_bytes - largest_free_bytes) / free_bytes
 _CLUSTER_GAP = 1 << 20
 
 
@@ -141,22 +131,7 @@ class AllocatorMap:
 
     def occupancy(self, width: int = 64) -> str:
         """A one-line picture of the pool, TensorFlow's style: '*' in use, '_' free."""
-        if not self.regions:
-            return ""
-        total = self.pool_bytes
-        cells = []
-        for region in self.regions:
-            n = max(1, round(width * region.size / total))
-            inside = [c for c in self.chunks if region.address <= c.address < region.address + region.size]
-            for k in range(n):
-                lo = region.address + region.size * k // n
-                hi = region.address + region.size * (k + 1) // n
-                used = sum(
-                    max(0, min(c.address + c.size, hi) - max(c.address, lo)) for c in inside if c.in_use
-                )
-                cells.append("*" if used * 2 >= hi - lo else "_")
-            cells.append("|")
-        return "".join(cells[:-1])
+        return occupancy(self, width)
 
     def _partial_lines(self) -> list[str]:
         """What a trace that began after earlier work knows: the chunks it saw made and freed,
@@ -227,7 +202,7 @@ class AllocatorMap:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "AllocatorMap":
+    def from_dict(cls, data: dict) -> AllocatorMap:
         return cls(
             allocator=data["allocator"],
             chunks=tuple(Chunk(a, s, bool(u), r, o, sh, si) for a, s, u, r, o, sh, si in data["chunks"]),

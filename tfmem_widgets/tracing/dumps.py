@@ -13,9 +13,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
 from ..errors import TraceDataError
-from ..oom.message import MIN_ALLOCATION
+from ..tf.allocator import MIN_ALLOCATION, bin_of, fragmentation
+from .allocator_map import AllocatorMap, Chunk, Region
 
 _REGION = re.compile(r"Next region of size (\d+)")
 _CHUNK = re.compile(r"\b(InUse|Free)\s+at\s+([0-9a-fA-Fx]+)\s+of size\s+(\d+)(?:\s+by op\s+(\S+))?")
@@ -29,13 +29,6 @@ _BIN_LINE = re.compile(r"Bin \((\d+)\):\s*Total Chunks: (\d+), Chunks in use: (\
 _BY_SIZE = re.compile(r"(\d+) Chunks of size (\d+) totalling")
 _SUM_IN_USE = re.compile(r"Sum Total of in-use chunks: ([0-9.]+)\s*([KMGT]?i?B)")
 _POOL = re.compile(r"Total (?:size|bytes) in pool: ([0-9.]+)\s*([KMGT]?i?B)")
-_NUM_BINS = 21  # TensorFlow's kNumBins: 256 B << 0 ... 256 B << 20 (and larger)
-
-
-def bin_of(size: int) -> int:
-    """The BFC allocator's bin for a chunk of `size` bytes (BinNumForSize)."""
-    value = max(size, MIN_ALLOCATION) >> 8
-    return min(value.bit_length() - 1, _NUM_BINS - 1)
 
 
 def _human(value: str, unit: str) -> tuple[float, float]:

@@ -137,7 +137,7 @@ class AllocatorEvents:
                 mask[open_temps.pop(address)[0]] = True
         return mask
 
-    def slice(self, stop: int) -> "AllocatorEvents":
+    def slice(self, stop: int) -> AllocatorEvents:
         """The first `stop` events."""
         columns = {name: getattr(self, name)[:stop] for name in COLUMNS}
         return AllocatorEvents(self.allocator, texts=self.texts, **columns)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+
 import numpy as np
 
-from .allocator_map import AllocatorMap
 from ..errors import TraceDataError
-from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
 from ..oom.message import OomInfo
-
+from .allocator_map import AllocatorMap
+from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
 
 _FORMAT = "tfmem-trace/2"
 

@@ -140,7 +140,7 @@ class Recorder:
                 return
 
     # -- life ------------------------------------------------------------------------------
-    def start(self) -> "Recorder":
+    def start(self) -> Recorder:
         if TRACE_LOCK.locked():
             raise SetupError("a trace is running: the recorder starts after it (one profiler per process).")
         with self._lock:

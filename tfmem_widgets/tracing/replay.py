@@ -23,11 +23,9 @@ import heapq
 
 import numpy as np
 
-from .allocator_map import AllocatorMap, Chunk, Region, fragmentation
+from ..tf.allocator import FIRST_GROWTH_REGION, MIN_ALLOCATION, fragmentation, rounded
+from .allocator_map import AllocatorMap, Chunk, Region
 from .events import ALLOC, AllocatorEvents
-from ..oom.message import MIN_ALLOCATION, rounded
-
-_INITIAL_GROWTH_REGION = 2 << 20
 
 
 class Replay:
@@ -53,7 +51,7 @@ class Replay:
         self.region_created: dict[int, int] = {}  # region address -> the event that made it
         self.before_trace_bytes = events.in_use_before() if len(events) else 0
         self.pool_bytes = 0
-        self._next_region = rounded(min(self.limit, _INITIAL_GROWTH_REGION)) if growth else self.limit
+        self._next_region = rounded(min(self.limit, FIRST_GROWTH_REGION)) if growth else self.limit
         self.inconsistencies: list[str] = []
         self._lists = None
 
@@ -160,7 +158,7 @@ class Replay:
             self._deallocate(i, address[i], size[i])
         self.position = i
 
-    def run_to(self, index: int) -> "Replay":
+    def run_to(self, index: int) -> Replay:
         while self.position < index:
             self.step()
         return self

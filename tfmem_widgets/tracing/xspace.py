@@ -9,6 +9,8 @@ no TensorBoard or XProf needed. The record itself is events.AllocatorEvents.
 
 from __future__ import annotations
 
+from ..errors import TraceDataError
+from .attribution import name_unnamed_allocations
 from .events import ALLOC, FREE, AllocatorEvents, events_from_columns
 from .wire import read_memory_columns
 
@@ -21,11 +23,18 @@ def read_xspace(data: bytes, source: str = "xplane.pb") -> dict[str, AllocatorEv
     Decodes the memory events in bulk with numpy (see xplane_wire); a million events take
     seconds, not minutes.
     """
-    columns_by_allocator, texts = read_memory_columns(data, source)
-    return events_from_columns(columns_by_allocator, texts)
+    return _events(data, source)
 
 
 def read_xplane_file(path) -> dict[str, AllocatorEvents]:
     """read_xspace for a file, holding its bytes only while protobuf parses them."""
-    columns_by_allocator, texts = read_memory_columns(None, str(path))
+    return _events(None, str(path))
+
+
+def _events(data: bytes | None, source: str) -> dict[str, AllocatorEvents]:
+    columns_by_allocator, texts, intern, lines = read_memory_columns(data, source)
+    try:
+        name_unnamed_allocations(columns_by_allocator, lines, intern)  # an XLA program's, a tf.function's
+    except ValueError as exc:
+        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
     return events_from_columns(columns_by_allocator, texts)

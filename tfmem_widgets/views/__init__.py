@@ -1,1 +1,1 @@
-"""Pictures of results: matplotlib plots of a trace, the one drawing of a pool."""
+"""Pictures of results: the pool drawn (text, SVG, matplotlib), plots of a trace."""

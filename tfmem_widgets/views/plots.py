@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tracing.allocator_map import AllocatorMap, address_clusters, op_label
+from ..tracing.allocator_map import AllocatorMap, address_clusters
 from ..tracing.replay import Replay
 from ..units import format_bytes
+from .pool import op_label, plot_pool
 
 _MAX_RECTANGLES = 4000
 _OTHER = "other ops"
@@ -127,7 +128,7 @@ def plot_map(trace, allocator: str | None = None, ax=None):
         cmap = ListedColormap([(1, 1, 1, 0)] + [colors[op] for op in codes] + [other])
         ax.imshow(image, cmap=cmap, vmin=0, vmax=other_code, origin="lower", aspect="auto",
                   extent=(0, n_events, 0, total), interpolation="nearest")
-    for (address, size, created), offset in zip(bands, offsets):
+    for (_, size, created), offset in zip(bands, offsets):
         ax.add_patch(Rectangle((created, offset), n_events - created, size, fill=False, lw=0.8,
                                ls="-" if exact else ":", edgecolor="black"))
     ax.set_xlim(0, n_events)
@@ -181,37 +182,5 @@ def plot_timeline(trace, allocator: str | None = None, ax=None):
 def plot_snapshot(target, at=None, allocator: str | None = None, ax=None):
     """The pool at one moment, region by region; after an OOM, the failed request drawn
     next to the largest hole it did not fit in. `target` is a Trace or an AllocatorMap."""
-    plt = _pyplot()
     snapshot: AllocatorMap = target if isinstance(target, AllocatorMap) else target.map(at, allocator)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * (len(snapshot.regions) + 1)))
-    mib = float(1 << 20)
-    regions = list(snapshot.regions)
-    for row, region in enumerate(regions):
-        inside = [c for c in snapshot.chunks if region.address <= c.address < region.address + region.size]
-        ax.broken_barh([((c.address - region.address) / mib, c.size / mib) for c in inside if c.in_use],
-                       (row - 0.35, 0.7), facecolors="C0", edgecolors="white", linewidth=0.3)
-        ax.broken_barh([((c.address - region.address) / mib, c.size / mib) for c in inside if not c.in_use],
-                       (row - 0.35, 0.7), facecolors="none", edgecolors="C0", linewidth=0.6, hatch="//")
-    labels = [f"region {format_bytes(r.size)}" for r in regions]
-    largest = max((c for c in snapshot.chunks if not c.in_use), key=lambda c: c.size, default=None)
-    if snapshot.failed_request_bytes is not None:
-        row = len(regions)
-        ax.broken_barh([(0, snapshot.failed_request_bytes / mib)], (row - 0.35, 0.7), facecolors="C3")
-        labels.append(f"failed request {format_bytes(snapshot.failed_request_bytes)}")
-        if largest is not None:
-            ax.broken_barh([(0, largest.size / mib)], (row - 0.35, 0.7), facecolors="none",
-                           edgecolors="black", linewidth=1.2)
-            ax.annotate(f"largest hole {format_bytes(largest.size)}", (largest.size / mib, row),
-                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
-    ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("MiB from the region's start")
-    frag = snapshot.fragmentation
-    ax.set_title(
-        f"{snapshot.allocator} ({snapshot.source}): in use {format_bytes(snapshot.in_use_bytes)}, "
-        f"free {format_bytes(snapshot.free_bytes)}, largest free {format_bytes(snapshot.largest_free_bytes)}"
-        + ("" if frag is None or frag != frag else f", fragmentation {frag:.3f}")
-    )
-    ax.invert_yaxis()
-    return ax
+    return plot_pool(snapshot, ax)

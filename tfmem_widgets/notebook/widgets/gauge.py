@@ -8,21 +8,22 @@ updates). Its text repr is the same figures as a line per device, for saved note
 from __future__ import annotations
 
 import threading
-from html import escape
 import weakref
 from collections import deque
+from html import escape
 
 import ipywidgets as w
 import traitlets
 
-from ...readings.sampler import DEFAULT_INTERVAL, Sample, check_interval, on_after_cell, on_unload, read_sample, sampler
+from ...readings.sampler import DEFAULT_INTERVAL, Sample, check_interval, read_sample, sampler
 from ...units import format_bytes
+from ..hooks import on_after_cell, on_unload
 from .text_form import FullTextForm
 
 _HISTORY = 120  # samples kept for the sparkline
 _SPARK_EVERY = 0.5  # seconds between redraws of the sparkline
 _SHOW_EVERY = 0.5  # seconds between updates of the page from the sampler thread
-_live: "weakref.WeakSet[Gauge]" = weakref.WeakSet()
+_live: weakref.WeakSet[Gauge] = weakref.WeakSet()
 
 
 def _bar(description: str, style: str = "") -> w.FloatProgress:
@@ -67,7 +68,7 @@ class Gauge(FullTextForm, w.VBox):
         value = proposal["value"]
         if value is None:
             return None
-        from ...tf.runtime import resolve_device
+        from ...tf.devices import resolve_device
 
         return resolve_device(value).name  # one line naming the devices that exist, if not one
 
@@ -290,7 +291,7 @@ def mark_all(label: str) -> int:
     return len(gauges)
 
 
-def running_gauges() -> list["Gauge"]:
+def running_gauges() -> list[Gauge]:
     """The gauges of this process still updating."""
     return [g for g in list(_live) if g.running]
 
@@ -305,3 +306,4 @@ def stop_all() -> int:
 
 on_after_cell(refresh_all)
 on_unload(stop_all)
+sampler.on_mark(mark_all)

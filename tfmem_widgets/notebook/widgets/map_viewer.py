@@ -13,63 +13,10 @@ from html import escape
 import ipywidgets as w
 import traitlets
 
-from ...tracing.allocator_map import AllocatorMap, op_label
+from ...tracing.allocator_map import AllocatorMap
 from ...units import format_bytes
+from ...views.pool import map_svg, op_label
 from .text_form import FullTextForm
-
-_WIDTH = 760
-_ROW = 22
-_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-            "#bcbd22", "#17becf"]
-
-
-def _small_chunks(pending: list, y: int) -> str:
-    """One rectangle for neighbouring chunks too narrow to draw one by one."""
-    x, wide, count = pending
-    return (f'<rect x="{x:.2f}" y="{y}" width="{max(wide, 1):.2f}" height="{_ROW - 6}" fill="#555">'
-            f"<title>{count} small chunks</title></rect>")
-
-
-def map_svg(snapshot: AllocatorMap, width: int = _WIDTH) -> str:
-    """The pool as SVG: one row per region, in-use chunks coloured by op, holes left blank.
-    Without known regions (a trace after earlier work), rows are stretches of the addresses
-    seen, labelled so."""
-    regions, exact = snapshot.bands()
-    ops = list(snapshot.by_op())
-    colors = {op: _PALETTE[k % len(_PALETTE)] for k, op in enumerate(ops)}
-    label = 140
-    height = _ROW * max(1, len(regions)) + 8
-    parts = [f'<svg width="{width + label}" height="{height}" class="tfmem-map" xmlns="http://www.w3.org/2000/svg">']
-    for row, region in enumerate(regions):
-        y = 4 + row * _ROW
-        name = "region" if exact else "seen"
-        parts.append(f'<text x="0" y="{y + 14}" font-size="11">{name} {escape(format_bytes(region.size))}</text>')
-        parts.append(f'<rect x="{label}" y="{y}" width="{width}" height="{_ROW - 6}" fill="white" stroke="black" stroke-width="0.6"/>')
-        scale = width / region.size
-        pending = None  # neighbouring chunks narrower than a pixel are drawn together
-
-
-        for chunk in snapshot.chunks:
-            if not (region.address <= chunk.address < region.address + region.size) or not chunk.in_use:
-                continue
-            x = label + (chunk.address - region.address) * scale
-            wide = chunk.size * scale
-            if wide < 1:
-                if pending and x > pending[0] + pending[1] + 1:
-                    parts.append(_small_chunks(pending, y))
-                    pending = None
-                pending = pending or [x, 0, 0]
-                pending[1] = x + wide - pending[0]
-                pending[2] += 1
-                continue
-            title = (f"{op_label(chunk.op)} {chunk.shape} {format_bytes(chunk.size)} "
-                     f"at {chunk.address:#x}" + (f", event {chunk.since}" if chunk.since is not None else ""))
-            parts.append(f'<rect class="tfmem-chunk" x="{x:.2f}" y="{y}" width="{wide:.2f}" height="{_ROW - 6}" '
-                         f'fill="{colors.get(op_label(chunk.op), "#999")}"><title>{escape(title)}</title></rect>')
-        if pending:
-            parts.append(_small_chunks(pending, y))
-    parts.append("</svg>")
-    return "".join(parts)
 
 
 class MapViewer(FullTextForm, w.VBox):

@@ -11,16 +11,18 @@ from html import escape
 
 import ipywidgets as w
 
-from ...tf.device_setup import current_state, setup
 from ...errors import SetupError
-from ...tf.setup_rules import DEFAULT_LAB_MB, SetupRequest, parse_split, plan_setup
-from ...tf.runtime import lab_limit_bytes, runtime_started
-from ...readings.sampler import on_after_cell
+from ...tf.device_setup import current_state, setup
+from ...tf.lab import lab_limit_bytes
+from ...tf.options import DEFAULT_LAB_MB, SetupRequest, parse_split
+from ...tf.runtime import runtime_started
+from ...tf.setup_rules import plan_setup
 from ...units import MiB
+from ..hooks import on_after_cell
 from .text_form import FullTextForm
 
 _AS_IS = "as it is"
-_live: "weakref.WeakSet[SetupPanel]" = weakref.WeakSet()
+_live: weakref.WeakSet[SetupPanel] = weakref.WeakSet()
 
 
 class SetupPanel(FullTextForm, w.VBox):
@@ -145,11 +147,8 @@ class SetupPanel(FullTextForm, w.VBox):
 
     def needed_limit_mb(self) -> int | None:
         """The limit (MB) the batch in the `batch` box needs by the search's line, with its margin."""
-        need = None if self._search is None else self._search.needs_bytes(self.batch.value)
-        return None if need is None else self._limit_mb_for(need)
-
-    def _limit_mb_for(self, need: int) -> int:
-        return -(-int(need / (1 - self._search.margin)) // MiB)  # whole MB, the margin kept free
+        need = None if self._search is None else self._search.limit_needed_bytes(self.batch.value)
+        return None if need is None else -(-need // MiB)  # whole MB
 
     def set_needed_limit(self) -> None:
         """Move the slider to the limit the chosen batch needs (lab mode's in steps of 16 MB)."""
@@ -183,7 +182,7 @@ class SetupPanel(FullTextForm, w.VBox):
             text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
                     f"data-batch='{batch}'>{batch:,}</b> ({how})")
             if search.margin:
-                kept = search.batch_for(int(limit * (1 - search.margin)))
+                kept = search.batch_for(search.within_margin_bytes(limit))
                 text += f"; {kept:,} with a margin of {search.margin:.0%}"
             lines.append(text + ".")
             largest = search.edge[0]
@@ -204,7 +203,7 @@ class SetupPanel(FullTextForm, w.VBox):
             lines.append("The search ran on a GPU; lab mode's CPU kernels need other figures.")
         self.fits.value = "<br>".join(lines)
         need = search.needs_bytes(self.batch.value)
-        needed = None if need is None else self._limit_mb_for(need)
+        needed = self.needed_limit_mb()
         if needed is None:
             self.needs.value = ""
             self.use_needed.disabled = True
@@ -280,7 +279,8 @@ class SetupPanel(FullTextForm, w.VBox):
             self.message.value = "<span class='tfmem-ok'>Nothing to change: this is the current setup.</span>"
             self.code.value = ""
         else:
-            self.message.value = "<span class='tfmem-ok' style='color:#080'>&#10003; TensorFlow's rules allow this. Apply runs:</span>"
+            self.message.value = ("<span class='tfmem-ok' style='color:#080'>&#10003; TensorFlow's rules allow this. "
+                                  "Apply runs:</span>")
             self.code.value = f"<pre class='tfmem-code'>{escape(plan.code())}</pre>"
         if started:
             self._explain_started(request)

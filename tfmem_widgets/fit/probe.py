@@ -1,0 +1,146 @@
+"""One probe of a batch search: a fresh process builds the model the user's way, fits `steps` steps of
+one batch, and measures the allocator's exact highest in-use figure, or meets the OOM.
+
+The probe's result crosses the process boundary as a ``Probe`` (or a ``ProbeRefused`` saying in one
+line why the user's functions could not be probed); how a process died is a field of the error
+``run_fresh`` raises, never read back out of its message; a probe never changes the kernel's
+``last_oom()``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import SetupError
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One fresh process: `batch` examples, `steps` train steps."""
+
+    batch: int
+    peak_bytes: int | None  # the allocator's highest in use during the steps; None: out of memory
+    seconds: float
+    verdict: str | None = None  # the OOM report's verdict
+    request_bytes: int | None = None  # the request that failed
+    died: str | None = None  # how the process ended when the OOM killed it (an XLA program's)
+    stage: str = "train"  # "build": build_model() itself ran out of memory
+    limit_bytes: int | None = None  # the limit the probe ran under (its process's reading)
+    limit_source: str = "unknown"
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes is not None
+
+
+@dataclass(frozen=True)
+class ProbeRefused:
+    """The user's functions could not be probed: why, in one line."""
+
+    message: str
+
+
+PROBE_CODE = """
+from tfmem_widgets.fit.probe import run_probe
+probe = run_probe({path!r}, {batch}, {steps})
+"""
+
+
+def _examples(data) -> tuple[int | None, str]:
+    """How many examples a batch (x, y) or x holds, and x's shape for a message."""
+    x = data[0] if isinstance(data, (tuple, list)) and data else data
+    if isinstance(x, Mapping):
+        x = next(iter(x.values()), None)
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) == 0:
+        return None, f"a {type(x).__name__}"
+    return int(shape[0]), f"x of shape {tuple(int(d) for d in shape)}"
+
+
+def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
+    """In the probe's process: build, make the batch, fit `steps` steps of it, measure."""
+    build_model, make_batch = pickle.loads(Path(path).read_bytes())
+    import tensorflow as tf  # after the setup, which ran first
+
+    from ..oom.explain import explain_exception
+    from ..oom.message import is_oom
+    from ..readings.measure import measure
+    from ..tf.allocator import allocator_of_device
+    from ..tf.limits import allocator_limit
+
+    try:
+        model = build_model()
+    except Exception as exc:
+        if is_oom(exc):  # the model alone does not fit
+            report = explain_exception(exc, layers=False)
+            return Probe(batch, None, 0.0, report.verdict, report.request_bytes, stage="build",
+                         limit_bytes=report.limit_bytes, limit_source=report.limit_source)
+        return ProbeRefused(f"build_model() raised {type(exc).__name__}: {first_line(exc)}")
+    if not hasattr(model, "train_on_batch"):
+        return ProbeRefused(f"build_model() returned a {type(model).__name__}, not a compiled Keras model")
+    try:
+        data = make_batch(batch)
+    except Exception as exc:
+        return ProbeRefused(f"make_batch({batch}) raised {type(exc).__name__}: {first_line(exc)}")
+    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+        return ProbeRefused(f"make_batch({batch}) returned a {type(data).__name__}; it must return (x, y)")
+    count, shape = _examples(data)
+    if count != batch:
+        return ProbeRefused(f"make_batch({batch}) returned {count if count is not None else 'no'} examples ({shape}); "
+                            f"it must return exactly {batch}")
+    started = time.perf_counter()
+    try:
+        # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
+        # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
+        # a 16000 MB limit, fit at the same batch ran out of memory).
+        steps_data = tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
+        with measure() as m:
+            model.fit(steps_data, epochs=1, verbose=0)
+    except Exception as exc:
+        if not is_oom(exc):
+            return ProbeRefused(f"the train step at batch {batch} raised {type(exc).__name__}: {first_line(exc)}")
+        report = explain_exception(exc, layers=False)  # the verdict and request; no layers, nothing kept
+        del exc
+        found = allocator_limit(report.allocator)
+        return Probe(batch, None, time.perf_counter() - started, report.verdict, report.request_bytes,
+                     limit_bytes=found.limit_bytes, limit_source=found.source)
+    found = allocator_limit(allocator_of_device(m.device))
+    return Probe(batch, m.highest_bytes, time.perf_counter() - started, limit_bytes=found.limit_bytes,
+                 limit_source=found.source)
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+
+
+def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | None, env: dict,
+                            timeout: float | None) -> Probe:
+    """One probe in a fresh process set up with the (checked) `setup`; the kernel's last_oom() is left
+    alone. Raises SetupError when the user's functions cannot be probed or the probe ran too long."""
+    from ..errors import FreshRunError
+    from .fresh import run_checked
+
+    started = time.perf_counter()
+    code = PROBE_CODE.format(path=str(path), batch=batch, steps=steps)
+    try:
+        run = run_checked(code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False,
+                          remember_oom=False)
+    except FreshRunError as exc:
+        seconds = time.perf_counter() - started
+        if exc.oom is not None:  # the OOM ended the process (an XLA program's): its dump was read
+            return Probe(batch, None, seconds, exc.oom.verdict, exc.oom.request_bytes, died=exc.how,
+                         limit_bytes=exc.oom.limit_bytes, limit_source=exc.oom.limit_source)
+        if exc.timed_out:
+            raise SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
+                             "with every process it started; raise probe_timeout or lower high.") from None
+        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: {exc}") from None
+    value = run.values["probe"]
+    if isinstance(value, ProbeRefused):
+        raise SetupError(f"max_batch_size: {value.message}.")
+    return replace(value, seconds=time.perf_counter() - started)  # the process's start counted too

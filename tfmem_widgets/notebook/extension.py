@@ -1,0 +1,75 @@
+"""The extension in a shell: ``%load_ext tfmem_widgets`` registers the magics, the OOM watcher and
+the cell hooks; ``%unload_ext`` removes each (hooks come in pairs).
+
+Before a cell: the OOM watcher notes the dumps that exist and lab-mode hazards are said. After it:
+an OOM it raised is explained under its traceback, and every widget that shows readings refreshes
+(frontends that do not show updates made while a cell runs still get the figures).
+"""
+
+from __future__ import annotations
+
+from .hooks import after_cell, run_unload_hooks
+
+
+def before_cell(info=None) -> None:
+    """pre_run_cell: the OOM watcher notes the dumps that exist; lab-mode hazards are said before
+    the cell runs."""
+    from ..oom.watch import cell_started
+    from .hazards import warn_before_cell
+
+    cell_started()
+    warn_before_cell(getattr(info, "raw_cell", "") or "")
+
+
+def explain_cell_oom(result=None) -> None:
+    """post_run_cell: an OOM the cell raised is explained in its output."""
+    from ..oom.watch import cell_finished
+
+    report = cell_finished(getattr(result, "error_in_exec", None))
+    if report is not None:
+        from IPython.display import display
+
+        display(report)
+
+
+_HOOKS = (("post_run_cell", after_cell), ("pre_run_cell", before_cell), ("post_run_cell", explain_cell_oom))
+
+
+def load(ipython) -> None:
+    """Register %tfmem / %%tfmem, the OOM watcher (TensorFlow's dump at every OOM, into a folder of
+    the extension's own) and the cell hooks; the shell's namespace is where Keras objects are
+    looked for, and a batch search shows a bar in a notebook. Starts nothing."""
+    from ..fit import search
+    from ..oom import layers
+    from ..oom.watch import watch_oom
+    from .magics import TfmemMagics
+    from .progress import notebook_progress
+
+    ipython.register_magics(TfmemMagics)
+    watch_oom()
+    layers.namespace_provider = lambda: ipython.user_ns
+    search.default_progress = notebook_progress
+    for event, hook in _HOOKS:
+        if hook not in ipython.events.callbacks[event]:
+            ipython.events.register(event, hook)
+
+
+def unload(ipython) -> None:
+    """Remove what load added; gauges stop, and with them the sampler's thread."""
+    from ..fit import search
+    from ..oom import layers
+    from ..oom.watch import unwatch_oom
+    from ..readings.sampler import sampler
+    from ..tracing.recorder import stop
+
+    for kind in ("line", "cell"):
+        ipython.magics_manager.magics[kind].pop("tfmem", None)
+    for event, hook in _HOOKS:
+        if hook in ipython.events.callbacks[event]:
+            ipython.events.unregister(event, hook)
+    unwatch_oom()
+    layers.namespace_provider = None
+    search.default_progress = None
+    stop()
+    run_unload_hooks()
+    sampler.stop()

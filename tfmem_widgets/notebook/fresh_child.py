@@ -1,0 +1,63 @@
+"""The fresh process's side of ``run_fresh``: set up, then run the cell in a real IPython shell with
+the extension loaded (so %magics work and an OOM is explained there, where its limits and Keras
+layers are known), and write back the values asked for."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import SetupError
+from ..fit.transport import CheckedPickler, encode, read_job, write_result
+
+
+def main(work: str) -> int:
+    """The fresh process: its setup, then the cell in an IPython shell with the extension loaded;
+    the named values written back; the exit code."""
+    work_dir = Path(work)
+    job = read_job(work_dir)
+
+    if job["setup"] is not None:
+        from ..tf.device_setup import setup
+
+        try:
+            setup(**job["setup"])
+        except SetupError as exc:
+            write_result(work_dir, setup_error=str(exc))
+            return 2
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance(colors="nocolor")
+    shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
+    shell.run_line_magic("load_ext", "tfmem_widgets")
+    from ..oom import explain, refusals
+    from . import hazards
+
+    refusals.say_refusals = False  # this process's stderr reaches the user only at its end
+    hazards.in_fresh_process = True
+    outcome = shell.run_cell(job["code"], store_history=False)
+    failure = outcome.error_before_exec or outcome.error_in_exec
+    if failure is not None:
+        report = explain.last_oom()
+        if report is not None:  # explained here, where its limits and Keras layers are known
+            try:
+                (work_dir / "oom.value").write_bytes(CheckedPickler.dumps(report))
+            except Exception:
+                pass
+        write_result(work_dir, error=type(failure).__name__)
+        return 1
+    for name in job["returns"]:
+        if name not in shell.user_ns:
+            print(f"{name} was not defined by the cell; nothing to bring back.")
+            write_result(work_dir, error="NameError")
+            return 1
+        try:
+            encode(name, shell.user_ns[name], work_dir)
+        except TypeError as exc:
+            print(exc)
+            write_result(work_dir, error="TypeError")
+            return 1
+    write_result(work_dir, values=job["returns"])
+    sys.stdout.flush()
+    return 0

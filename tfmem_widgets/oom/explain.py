@@ -1,0 +1,171 @@
+"""Explaining an OOM: an error raised in this process (the newest dump of the allocator it names),
+a dump file, or a log's text; the last report of the process.
+
+The report of an error of this process is read with this process's limits and Keras variables;
+a dump or log from elsewhere with what it states.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from ..errors import SetupError, TraceDataError
+from ..tf import dump_place
+from ..tf.allocator import has_text_dump, looks_like_oom_log
+from ..tf.limits import allocator_limit
+from ..tracing.allocator_map import AllocatorMap
+from .message import failed_request, is_oom, step_of
+from .report import OomReport
+
+_lock = threading.RLock()
+_last: OomReport | None = None
+
+
+def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, xla: bool = False,
+                     dump_path: str | None = None, live: bool = False, namespace: dict | None = None,
+                     notes=(), text: str = "", layers: bool = True) -> OomReport:
+    """An OomReport for a dump. live: the dump is of this process's allocator, so its limit is
+    read from this process and (with `layers`) the recorder's ops and the Keras variables of the
+    namespace name its chunks. text: the error's whole text (the compiled step and node it names)."""
+    limit, source, capacity, capacity_source = (None, "unknown", None, "")
+    if dump.limit_bytes is not None:
+        limit, source = dump.limit_bytes, "the allocator's log"
+    if live:
+        found = allocator_limit(dump.allocator)
+        if found.limit_bytes is not None or limit is None:
+            limit, source = found.limit_bytes, found.source
+        capacity, capacity_source = found.capacity_bytes, found.capacity_source
+    anatomy = None
+    if live and layers:
+        from ..tracing.recorder import name_chunks
+        from .layers import anatomy as make_anatomy
+
+        dump, recorded = name_chunks(dump, dump_place.dump_time_ns(dump_path))
+        if recorded:
+            notes = (*notes, "ops from the recorder (%tfmem record): chunks made before it started carry none")
+
+        try:
+            anatomy = make_anatomy(dump, namespace=namespace, live=True)
+        except Exception as exc:  # the namespace's objects are the user's: never fail the report
+            notes = (*notes, f"the layers could not be read ({type(exc).__name__})")
+    amap = dump
+    if request is not None and dump.failed_request_bytes is None:
+        from dataclasses import replace
+
+        amap = replace(dump, failed_request_bytes=request)
+    step, node = step_of(text)
+    return OomReport(dump.allocator, message, request, amap, limit, source, capacity, capacity_source,
+                     dump_path, xla, anatomy, tuple(notes), step, node)
+
+
+def explain_text(text: str) -> OomReport:
+    """A log pasted from a job: TensorFlow's text dump and its OOM line."""
+    from ..tracing.dumps import parse_bfc_dump
+
+    allocator, request, line, xla = failed_request(text)
+    if not has_text_dump(text):
+        return OomReport(allocator or "unknown", line, request, None, xla=xla,
+                         notes=("the text holds no allocator dump (the 'Next region of size' lines TensorFlow "
+                                "logs at an OOM): paste the whole log",))
+    dump = parse_bfc_dump(text)
+    return report_from_dump(dump, line, request if request is not None else dump.failed_request_bytes, xla=xla,
+                            text=text)
+
+
+def explain_path(path: str | os.PathLike) -> OomReport:
+    """A file: TensorFlow's binary MemoryDump, or a text log."""
+    from ..tracing.dumps import load_memory_dump
+
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise TraceDataError(f"cannot read {path}: {exc.strerror or exc}.") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and looks_like_oom_log(text):
+        return explain_text(text)
+    dump = load_memory_dump(p)
+    return report_from_dump(dump, f"TensorFlow's dump of {dump.allocator}", dump.failed_request_bytes,
+                            dump_path=str(p),
+                            notes=("a dump alone does not say the failed request: pass the error or the log "
+                                   "for the verdict",))
+
+
+# Called with (prefix, dump path) when a report reads a dump: the OOM watcher keeps its folder to that one.
+on_report = None
+
+
+def explain_exception(exc: BaseException, new_since: set[str] | None = None,
+                      namespace: dict | None = None, layers: bool = True) -> OomReport:
+    """The report for an OOM raised in this process: the newest dump of the allocator it names
+    (among files not in new_since), read with this process's limits and (with `layers`) its
+    recorder's ops and Keras variables. It is not kept as last_oom() (remember() keeps it)."""
+    from ..errors import TraceDataError
+    from ..tracing.dumps import load_memory_dump
+
+    text = str(exc)
+    allocator, request, line, xla = failed_request(text)
+    step, node = step_of(text)
+    prefix = dump_place.current_prefix()
+    candidates = [p for p in dump_place.dump_files(prefix, allocator) if new_since is None or p not in new_since]
+    notes = []
+    if xla and allocator is None:
+        notes.append("XLA's message names no allocator: the newest dump written by this cell is used")
+    if not candidates:
+        why = ("TF_BFC_MEMORY_DUMP was not set when it failed: %load_ext tfmem_widgets (or "
+               "tfmem_widgets.watch_oom()) before the run makes TensorFlow write one"
+               if not prefix else "TensorFlow wrote no allocator dump for it (an allocator other than BFC, "
+               "or the failure was not the allocator's)")
+        return OomReport(allocator or "unknown", line, request, None, xla=xla, notes=(why, *notes), step=step,
+                         node=node)
+    path = candidates[-1]
+    try:
+        dump = load_memory_dump(path)
+    except TraceDataError as error:
+        return OomReport(allocator or "unknown", line, request, None, xla=xla,
+                         notes=(f"TensorFlow's dump could not be read: {error}", *notes), step=step, node=node)
+    if on_report is not None:
+        on_report(prefix, path)
+    return report_from_dump(dump, line, request, xla=xla, dump_path=path, live=True, namespace=namespace,
+                            notes=notes, text=text, layers=layers)
+
+
+def remember(report: OomReport) -> None:
+    global _last
+    with _lock:
+        _last = report
+
+
+def last_oom() -> OomReport | None:
+    """The report of the most recent OOM explained in this process (None: none yet)."""
+    return _last
+
+
+def explain_oom(source) -> OomReport:
+    """Explain an OOM: a ResourceExhaustedError caught in a script, the path of TensorFlow's
+    binary dump or of a log file, or a log's text pasted from a job."""
+    if isinstance(source, BaseException):
+        if not is_oom(source):
+            raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
+                             "ResourceExhaustedError, a dump file's path or a log's text.")
+        report = explain_exception(source)
+        remember(report)
+        return report
+    if isinstance(source, bytes):
+        source = source.decode("utf-8", errors="replace")
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(source, str) and ("\n" in text or looks_like_oom_log(text)):
+            return explain_text(text)
+        if not text.strip():
+            raise SetupError("explain_oom: got an empty text; pass an error, a dump file's path or a log's text.")
+        if not Path(text).exists():
+            raise SetupError(f"explain_oom: no file {text!r}, and it is not a log's text; pass an error, a dump "
+                             "file's path or a log's text.")
+        return explain_path(text)
+    raise SetupError(f"explain_oom: got {type(source).__name__}; pass an error, a dump file's path or a log's text.")

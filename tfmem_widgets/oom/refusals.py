@@ -1,0 +1,129 @@
+"""Refusals said while a cell waits.
+
+TensorFlow's allocator waits 10 s after refusing a request before it gives up, and writes a dump
+each time. Measured on an H200: an XLA fit under a 1024 MB limit had its GEMM autotuner (compiling,
+before the first step) refused scratch buffers of 256, 160 and then 64 MiB over and over, 10 s
+each, for minutes, with nothing raised. A cell that is refused is told so as it happens, not
+minutes later: a thread polls the dump place while the cell runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..tf.dump_place import dump_files
+
+REFUSAL_POLL_S = 1.0
+say_refusals = True  # off in a fresh process: its stderr is shown only when it ends, so a live notice says nothing
+HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
+AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' default on a GPU): its compiler's "
+                 "GEMM autotuner is trying kernels whose scratch memory does not fit, 10 s a refusal, for minutes; "
+                 "interrupt the cell, then set XLA_FLAGS=--xla_gpu_autotune_level=0 before TensorFlow starts "
+                 "(measured on an H200: the same fit then trained), lower the batch, or compile with "
+                 "jit_compile=False")
+_refusals = None
+
+
+class _RefusalWatch(threading.Thread):
+    """Polls the dump place while a cell runs; says each new refusal once, with its figures."""
+
+    def __init__(self, prefix: str, existing: set[str]):
+        super().__init__(name="tfmem-refusals", daemon=True)
+        self.prefix, self.seen = prefix, set(existing)
+        self.stop_event = threading.Event()
+        self.refusals = 0  # dumps TensorFlow wrote: one when it refuses, one when its 10 s retry fails
+        self.times: list[float] = []
+        self.said_after = 0  # the "still refused" lines said so far, one per HINT_AFTER_S
+        self.first: str | None = None  # the first refusal's figures
+        self.said_first = False
+        self.main_thread = threading.get_ident()  # the cell's thread
+
+    def run(self) -> None:
+        while not self.stop_event.wait(REFUSAL_POLL_S):
+            self.poll()
+
+    def poll(self, final: bool = False) -> None:
+        """Note new refusals; during an XLA fit say a wait that goes on; at the cell's end (final)
+        say the first refusal if nothing was said."""
+        import sys
+        import time
+
+        new = sorted(set(dump_files(self.prefix)) - self.seen)
+        if not new and not (final and self.first is not None and not self.said_first):
+            return
+        self.seen.update(new)
+        self.refusals += len(new)
+        now = time.time()
+        self.times.append(now)
+        waited = now - self.times[0]
+        if self.first is None:
+            self.first = _refusal_figures(new[-1])
+        if final:
+            return  # a refusal the cell got over (or raised on) is the report's, or nothing to say
+        if waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
+            # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes:
+            # that wait is said while it lasts.
+            self.said_after += 1
+            line = (f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet; "
+                    f"first: {self.first})")
+            if self.said_after == 1:
+                line += f"; {AUTOTUNE_HINT}"
+        else:
+            return
+        self.said_first = True
+        print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        """Stop polling; a refusal not yet said is said now (a request beyond the limit can fail
+        and be caught within the poll's second: the cell's output is the same either way)."""
+        self.stop_event.set()
+        if self is not threading.current_thread():
+            self.join(timeout=5)
+        self.poll(final=True)
+
+
+def _xla_fit_running(thread_id: int) -> bool:
+    """Whether the cell's thread is inside a Keras fit (or evaluate, predict) of a model whose step
+    is an XLA program: read from its Python frames, never from TensorFlow."""
+    import sys
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("fit", "evaluate", "predict") else None
+        if owner is not None and getattr(owner, "jit_compile", False) is True:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refusal_figures(path: str) -> str:
+    from ..errors import TraceDataError
+    from ..tracing.dumps import load_memory_dump
+    from ..units import format_bytes
+
+    try:
+        dump = load_memory_dump(path)
+    except (TraceDataError, OSError):
+        return os.path.basename(path)
+    return (f"{dump.allocator}: {format_bytes(dump.in_use_bytes)} in use in a {format_bytes(dump.pool_bytes)} pool, "
+            f"largest free chunk {format_bytes(dump.largest_free_bytes)}")
+
+
+def start(prefix: str | None, existing: set[str]) -> None:
+    """Watch `prefix` for refusals while a cell runs (the dumps in `existing` are old)."""
+    global _refusals
+    stop()
+    if prefix and say_refusals:
+        _refusals = _RefusalWatch(prefix, existing)
+        _refusals.start()
+
+
+def stop() -> int:
+    """End the cell's watch (its first refusal said now); the refusals it saw."""
+    global _refusals
+    watch, _refusals = _refusals, None
+    if watch is None:
+        return 0
+    watch.stop()
+    return watch.refusals

@@ -1,0 +1,101 @@
+"""TensorFlow's BFC allocator: the facts the rest of the package reads, from
+``tsl/framework/bfc_allocator.cc`` and TensorFlow's own words.
+
+- names: each logical GPU has an allocator ``GPU_<n>_bfc``; lab mode's CPU allocator is
+  ``bfc_cpu_allocator_for_gpu``;
+- sizes: chunks are whole 256-byte steps, binned by powers of two;
+- the no-split rule: a free chunk is split only when it is at least twice the rounded request or
+  more than 128 MiB larger, else the whole chunk is handed out;
+- growth regions: with growth the first region is 2 MiB and the next doubles until a request fits;
+- fragmentation: TensorFlow's formula (``GetFragmentation``);
+- the markers of its text: the OOM line, XLA's OOM line, the text dump's lines.
+"""
+
+from __future__ import annotations
+
+import re
+
+LAB_ALLOCATOR_NAME = "bfc_cpu_allocator_for_gpu"  # the CPU allocator in lab mode
+_GPU_ALLOCATOR = re.compile(r"GPU_(\d+)_bfc")
+
+MIN_ALLOCATION = 256  # the smallest chunk and the rounding step
+NUM_BINS = 21  # kNumBins: 256 B << 0 ... 256 B << 20 (and larger)
+MAX_WHOLE_CHUNK_EXCESS = 128 << 20  # a free chunk this much larger than a request is always split
+FIRST_GROWTH_REGION = 2 << 20  # with growth: the first region; each next one doubles until a request fits
+
+
+# -- names ------------------------------------------------------------------------------------
+
+def gpu_allocator_name(ordinal: int) -> str:
+    """The allocator of logical GPU `ordinal` ('GPU_0_bfc')."""
+    return f"GPU_{ordinal}_bfc"
+
+
+def allocator_of_device(device: str) -> str:
+    """The BFC allocator behind a device name ('CPU:0' in lab mode, 'GPU:1')."""
+    kind, _, index = device.rpartition("/")[2].upper().replace("DEVICE:", "").partition(":")
+    return LAB_ALLOCATOR_NAME if kind == "CPU" else gpu_allocator_name(int(index or 0))
+
+
+def device_of_allocator(allocator: str) -> str | None:
+    """The device an allocator serves ('CPU:0', 'GPU:1'); None for an allocator of another kind."""
+    if allocator == LAB_ALLOCATOR_NAME:
+        return "CPU:0"
+    found = _GPU_ALLOCATOR.fullmatch(allocator)
+    return f"GPU:{found.group(1)}" if found else None
+
+
+def gpu_ordinal(allocator: str) -> int | None:
+    """The logical GPU's ordinal of a GPU allocator ('GPU_1_bfc' -> 1), else None."""
+    found = _GPU_ALLOCATOR.fullmatch(allocator)
+    return int(found.group(1)) if found else None
+
+
+# -- sizes ------------------------------------------------------------------------------------
+
+def rounded(n: int) -> int:
+    """Bytes as the BFC allocator hands them out: whole 256-byte steps, at least one."""
+    return max(MIN_ALLOCATION, -(-n // MIN_ALLOCATION) * MIN_ALLOCATION)
+
+
+def bin_of(size: int) -> int:
+    """The bin of a chunk of `size` bytes (BinNumForSize)."""
+    value = max(size, MIN_ALLOCATION) >> 8
+    return min(value.bit_length() - 1, NUM_BINS - 1)
+
+
+def takes_whole(chunk_bytes: int, request_bytes: int) -> bool:
+    """Whether a free chunk is handed out whole for a request (FindChunkPtr): it is split only when
+    it is at least twice the rounded request or more than 128 MiB larger than it."""
+    request = rounded(request_bytes)
+    return chunk_bytes < 2 * request and chunk_bytes - request <= MAX_WHOLE_CHUNK_EXCESS
+
+
+def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
+    """TensorFlow's fragmentation metric (BFCAllocator::GetFragmentation): the free bytes outside
+    the largest free chunk, over all free bytes; NaN when nothing is free."""
+    if free_bytes <= 0:
+        return float("nan")
+    return (free_bytes - largest_free_bytes) / free_bytes
+
+
+# -- TensorFlow's text ------------------------------------------------------------------------
+
+# The OOM line: "OOM when allocating tensor with shape[4194304] and type float on ... by allocator X"
+OOM_LINE = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
+# The allocator's own line in its log: "... (rounded to 16777216)"
+ROUNDED_REQUEST = re.compile(r"\(rounded to (\d+)\)")
+# XLA's words: "Out of memory while trying to allocate 1.56GiB." (an H200) or "... 123 bytes"
+XLA_OOM_LINE = re.compile(r"Out of memory while trying to allocate ([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)\b")
+UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+TEXT_DUMP_REGION = "Next region of size"  # the text dump the allocator logs at an OOM, region by region
+
+
+def has_text_dump(text: str) -> bool:
+    """Whether a log holds the allocator's text dump."""
+    return TEXT_DUMP_REGION in text
+
+
+def looks_like_oom_log(text: str) -> bool:
+    """Whether a text is TensorFlow's OOM log (its OOM line, XLA's, or the allocator's dump)."""
+    return has_text_dump(text) or "OOM when allocating" in text or "Out of memory" in text

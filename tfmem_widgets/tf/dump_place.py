@@ -1,0 +1,68 @@
+"""Where TensorFlow writes its allocator dumps, and who owns that place.
+
+With ``TF_BFC_MEMORY_DUMP=<prefix>`` in the environment at an OOM (TensorFlow reads it then, so it
+works after its runtime started), the BFC allocator writes its state as a binary MemoryDump to
+``<prefix>_<allocator>.<microseconds since the epoch>``, one file per refusal. The OOM watcher and a
+running trace each point the variable into a folder of their own and say so here; any other value
+is the user's, whose files are read where they land and never moved or deleted. A fresh process
+does not inherit a place this process owns.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+DUMP_ENV = "TF_BFC_MEMORY_DUMP"
+
+_lock = threading.Lock()
+_owners: dict[str, str] = {}  # prefix -> who set it ('the OOM watcher', 'a trace')
+
+
+def claim(prefix: str, owner: str) -> None:
+    """`owner` of this package points TF_BFC_MEMORY_DUMP at `prefix`."""
+    with _lock:
+        _owners[prefix] = owner
+
+
+def release(prefix: str | None) -> None:
+    with _lock:
+        _owners.pop(prefix, None)
+
+
+def owned(prefix: str | None) -> bool:
+    """Whether a prefix is one this package set (not the user's own)."""
+    with _lock:
+        return prefix is not None and prefix in _owners
+
+
+def current_prefix() -> str | None:
+    """Where dumps land now: a place of this package's or the user's own; None when unset."""
+    return os.environ.get(DUMP_ENV) or None
+
+
+def user_prefix() -> str | None:
+    """The user's own TF_BFC_MEMORY_DUMP, if one is set."""
+    prefix = current_prefix()
+    return None if owned(prefix) else prefix
+
+
+def dump_time_ns(path: str | None) -> int | None:
+    """When TensorFlow wrote a dump, from its name (microseconds since the epoch), in nanoseconds."""
+    suffix = (path or "").rsplit(".", 1)[-1]
+    return int(suffix) * 1000 if suffix.isdigit() and len(suffix) >= 15 else None
+
+
+def dump_files(prefix: str | None, allocator: str | None = None) -> list[str]:
+    """The dumps at a prefix (of one allocator, if named), oldest first."""
+    if not prefix:
+        return []
+    pattern = glob.escape(prefix) + (f"_{glob.escape(allocator)}.*" if allocator else "_*")
+    # The suffix is a time in microseconds: by its length, then its digits, the last is the newest.
+    return sorted(glob.glob(pattern), key=lambda p: (len(p.rsplit(".", 1)[-1]), p.rsplit(".", 1)[-1], p))
+
+
+def dump_of_allocator(path: str, prefix: str, allocator: str) -> bool:
+    """Whether a dump file at `prefix` is of `allocator`."""
+    return os.path.basename(path).startswith(f"{os.path.basename(prefix)}_{allocator}.")

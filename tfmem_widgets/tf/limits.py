@@ -1,0 +1,120 @@
+"""The limit of an allocator or a device, where it comes from, and what the hardware has above it.
+
+One home for "how much may this allocator hold": lab mode's limit for the CPU, a logical device's
+own limit, or TensorFlow's default for a GPU (read once its runtime has started); the card's size
+(NVML) or the host's memory as the capacity a limit is set below; and the limit a fresh process's
+setup gives, for a dump read after that process has gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..units import MiB
+from .allocator import LAB_ALLOCATOR_NAME, gpu_ordinal
+from .devices import LogicalDevice, logical_devices, physical_gpus, resolve_device
+from .lab import lab_limit_bytes
+from .runtime import runtime_started
+
+# Where a limit below the hardware was set by the user (an OOM under it is the verdict 'limit').
+CAPPED_SOURCES = ("lab mode", "logical device limit", "memory fraction")
+
+_default_limits: dict[str, int] | None = None
+
+
+def tensorflow_default_limits() -> dict[str, int]:
+    """TensorFlow's memory limit per GPU device, as it created them (runtime started only).
+
+    device_lib lists each device with the limit TensorFlow computed; the figures cannot
+    change once the runtime has started, so they are read once. It creates device objects:
+    call it on the main thread.
+    """
+    global _default_limits
+    if _default_limits is None:
+        from tensorflow.python.client import device_lib
+
+        _default_limits = {
+            d.name.split("device:")[-1]: int(d.memory_limit)
+            for d in device_lib.list_local_devices()
+            if d.device_type == "GPU"
+        }
+    return _default_limits
+
+
+@dataclass(frozen=True)
+class DeviceLimit:
+    bytes: int | None  # None: not known (yet)
+    source: str  # where it comes from, in words
+
+
+def device_limit(device: LogicalDevice, started: bool, lab_limit: int | None,
+                 main_thread: bool = True) -> DeviceLimit:
+    """The memory limit of one logical device: lab mode's for the CPU, a logical device's own,
+    or TensorFlow's default (read once the runtime has started, and only on the main thread)."""
+    if device.device_type == "CPU":
+        return DeviceLimit(lab_limit, "lab mode") if lab_limit is not None else DeviceLimit(None, "none enforced")
+    if device.limit_mb is not None:
+        return DeviceLimit(device.limit_mb * MiB, "logical device limit")
+    if not started:
+        return DeviceLimit(None, "set when the runtime starts")
+    if not main_thread:
+        return DeviceLimit(None, "TensorFlow's default")
+    return DeviceLimit(tensorflow_default_limits().get(device.name), "TensorFlow's default")
+
+
+def limit_of(device: str | None = None) -> DeviceLimit:
+    """The limit of a device of this process by name ('GPU:0', 'CPU:0'; None: the first GPU, else the CPU)."""
+    return device_limit(resolve_device(device), runtime_started(), lab_limit_bytes())
+
+
+def host_total_bytes() -> int:
+    """The host's memory: what lab mode's limit is set below."""
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+@dataclass(frozen=True)
+class AllocatorLimit:
+    """An allocator's limit and its source, and the capacity above it (the card, the host)."""
+
+    limit_bytes: int | None
+    source: str
+    capacity_bytes: int | None = None
+    capacity_source: str = ""
+
+
+def allocator_limit(allocator: str) -> AllocatorLimit:
+    """The limit of an allocator of this process (by TensorFlow's name), and what has more."""
+    if allocator == LAB_ALLOCATOR_NAME:
+        return AllocatorLimit(lab_limit_bytes(), "lab mode", host_total_bytes(), "host's memory")
+    ordinal = gpu_ordinal(allocator)
+    devices = [d for d in logical_devices() if d.device_type == "GPU"]
+    if ordinal is None or ordinal >= len(devices):
+        return AllocatorLimit(None, "unknown")
+    device = devices[ordinal]
+    limit = device_limit(device, runtime_started(), None)
+    capacity = None
+    try:
+        from .nvml import driver_view
+
+        memory = driver_view(physical_gpus()).by_gpu.get(device.physical_index)
+        capacity = None if memory is None else memory.total_bytes
+    except Exception:  # the driver's figure is extra: never fail a limit for it
+        pass
+    return AllocatorLimit(limit.bytes, limit.source, capacity, "card" if capacity is not None else "")
+
+
+def setup_limit(setup: Mapping | None, allocator: str) -> tuple[int | None, str]:
+    """The limit a setup() of a fresh process gave an allocator (a dump does not carry it)."""
+    setup = setup or {}
+    if allocator == LAB_ALLOCATOR_NAME and setup.get("lab_mb"):
+        return setup["lab_mb"] * MiB, "lab mode"
+    ordinal = gpu_ordinal(allocator)
+    limit = setup.get("limit_mb")
+    if ordinal is not None and limit is not None and not setup.get("split"):
+        mb = limit.get(ordinal) if isinstance(limit, Mapping) else limit
+        if mb:
+            return mb * MiB, "logical device limit"
+    return None, "unknown"

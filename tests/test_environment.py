@@ -118,7 +118,7 @@ print(json.dumps({"report_limit": r.lab_limit_bytes, "report_notes": list(r.note
 PROBE = """
 import json, os, sys
 import tfmem_widgets
-from tfmem_widgets.tf.runtime import lab_setting
+from tfmem_widgets.tf.lab import lab_setting
 import tensorflow as tf
 predicted = lab_setting()
 print(json.dumps({"enabled": predicted.enabled, "limit_mb": predicted.limit_mb}), flush=True)

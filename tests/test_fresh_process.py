@@ -75,7 +75,8 @@ def test_logical_cpus_and_a_refused_setup_leave_the_configuration_untouched():
     out = run_fresh(
         """
         import json, os, tfmem_widgets
-        from tfmem_widgets.tf.runtime import logical_devices, runtime_started
+        from tfmem_widgets.tf.devices import logical_devices
+        from tfmem_widgets.tf.runtime import runtime_started
         env = {k: v for k, v in os.environ.items() if k.startswith("TF_")}
         try:
             tfmem_widgets.setup(lab_mb=64, gpus=[99])     # no such GPU anywhere: refused

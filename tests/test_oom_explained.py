@@ -281,7 +281,7 @@ out["raised"] = [type(result.error_in_exec).__name__, str(result.error_in_exec)]
 out["raised_report"] = [r.verdict, r.request_bytes, r.largest_free_bytes, r.in_use_bytes, r.limit_bytes,
                         r.limit_source, r.dump_path]
 # 2. the child dies after its OOM (as an XLA program's OOM ends a process): its dump is read here
-cell("tfmem_widgets.oom.watch.remember(None)")
+cell("tfmem_widgets.oom.explain.remember(None)")
 said_before = len(said.getvalue())
 result = cell("%%tfmem fresh --lab 64\\n" + ALTERNATE + '''try:
     big = tf.zeros((4 << 20,))

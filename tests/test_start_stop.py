@@ -25,6 +25,7 @@ from tfmem_widgets.tf import dump_place
 trace_module = importlib.import_module("tfmem_widgets.tracing.block")
 measure_module = importlib.import_module("tfmem_widgets.readings.measure")
 fresh = importlib.import_module("tfmem_widgets.fit.fresh")
+transport = importlib.import_module("tfmem_widgets.fit.transport")
 
 
 def open_fds() -> set[str]:
@@ -175,7 +176,7 @@ def test_an_interrupt_at_each_step_of_a_measure_leaves_nothing(lab_session):
     del x
 
 
-FRESH_STEPS = Steps([fresh], cleanup=("_kill_group",))
+FRESH_STEPS = Steps([fresh, transport], cleanup=("_kill_group",))
 
 
 def test_an_interrupt_at_each_step_of_a_fresh_run_leaves_nothing(lab_session):
@@ -189,7 +190,8 @@ def test_an_interrupt_at_each_step_of_a_fresh_run_leaves_nothing(lab_session):
 
     sites = check_every_step(FRESH_STEPS, whole, settle=settle)
     # The child is started (Popen.__init__) and followed (select) among the steps interrupted.
-    assert any(site[1] == "run_fresh" and site[3] == "__init__" for site in sites)
+    assert any(site[1] == "run_checked" and site[3] == "__init__" for site in sites)
+    assert any(site[0] == "transport.py" for site in sites)  # the job written for the child
     assert any(site[3] == "select" for site in sites)
 
 

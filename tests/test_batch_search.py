@@ -94,6 +94,37 @@ def test_the_probes_say_what_they_show():
     assert "recommended, its measured peak leaving 10% of the limit free: 2,000" in text
 
 
+def test_a_probe_killed_after_its_oom_says_how_and_a_search_leaves_last_oom_alone():
+    # A process that dies after an OOM (as an XLA program's OOM ends one in lab mode): the probe's death is
+    # a field of the probe, read from how the process ended (never from a message), its OOM from the dump
+    # the process left; and the kernel's last_oom() is not the search's to change.
+    build_model, _ = _model_and_batches()
+
+    def make_batch(n):
+        import os
+
+        import numpy as np
+
+        if n > 8:
+            import tensorflow as tf
+
+            try:
+                tf.zeros((128 << 18,))  # 128 MiB in a 64 MB lab: an OOM, and TensorFlow's dump of it
+            except tf.errors.ResourceExhaustedError:
+                os.abort()
+        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+
+    before = tfmem_widgets.last_oom()
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 64}, low=8, high=8,
+                                          progress=False)
+    assert search.largest == 8
+    (killed,) = search.probe(16)
+    assert not killed.fits and killed.died == "was killed by SIGABRT (signal 6)", killed
+    assert killed.verdict is not None and killed.limit_bytes == 64 * MiB  # the dump, read with the probe's setup
+    assert tfmem_widgets.last_oom() is before
+    assert not _children()
+
+
 def test_bad_input_is_one_line_and_starts_nothing():
     build_model, make_batch = _model_and_batches()
     for kwargs, words in (({"low": 8, "high": 4}, "low (8) is above high (4)"),

@@ -16,6 +16,7 @@ After %load_ext, an OOM in any cell is explained under its traceback (last_oom()
 
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
 from .fit.fresh import FreshRun, run_fresh
+from .fit.plan import StepPlan, plan
 from .fit.search import BatchSearch, Probe, max_batch_size
 from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
@@ -45,6 +46,8 @@ __all__ = [
     "BatchSearch",
     "Probe",
     "max_batch_size",
+    "StepPlan",
+    "plan",
     "FreshRun",
     "FreshRunError",
     "NvmlUnavailable",

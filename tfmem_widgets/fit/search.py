@@ -35,6 +35,7 @@ from ..errors import SetupError
 from ..text import LinesText
 from ..units import MiB, format_bytes
 from .probe import Probe, first_line, probe_in_fresh_process
+from .progress import progress_for
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
@@ -61,6 +62,8 @@ class BatchSearch(LinesText):
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
+    plans: list = field(default_factory=list)  # the StepPlans a plan search made (method="plan")
+    plan_seconds: float = 0.0  # the plan search's process, start to end
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -89,6 +92,7 @@ class BatchSearch(LinesText):
                 self.probes.append(probe)
                 return probe
 
+            probe_one.path = path  # the functions, for a plan search in a process of the same setup
             yield probe_one
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -204,7 +208,7 @@ class BatchSearch(LinesText):
 
     @property
     def seconds(self) -> float:
-        return sum(p.seconds for p in self.probes)
+        return self.plan_seconds + sum(p.seconds for p in self.probes)
 
     # -- text -------------------------------------------------------------------------------
     def lines(self) -> list[str]:
@@ -235,8 +239,13 @@ class BatchSearch(LinesText):
         if model is not None:
             out.append(f"  peak = {format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example "
                        "(a line through the batches that trained)")
-        out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in {self.seconds:.0f} s, "
-                   "each in a fresh process:")
+        if self.plans:
+            planned = max((p.batch_size for p in self.plans if p.fits()), default=None)
+            out.append(f"  planned first: {len(self.plans)} plans of the step (XLA's buffer assignment) in "
+                       f"{self.plan_seconds:.0f} s, one fresh process; "
+                       + (f"the largest batch they fit: {planned:,}" if planned else "none fits"))
+        out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
+                   f"{sum(p.seconds for p in self.probes):.0f} s, each in a fresh process:")
         for p in self.probes:
             if p.fits:
                 what = f"trained, peak {format_bytes(p.peak_bytes)}"
@@ -318,55 +327,14 @@ def _where(setup: Mapping | None) -> str:
     return "the default device, set up by TensorFlow's defaults"
 
 
-class LineProgress:
-    """A search's progress as a line per probe (a terminal, a script); the notebook layer gives a bar
-    with the same three methods (`progress=` takes any such object)."""
-
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
-
-    def probing(self, count: int, batch: int) -> None:
-        pass
-
-    def probed(self, count: int, probe: Probe) -> None:
-        if not self.quiet:
-            print(f"tfmem batch: {probe_line(count, probe)}", flush=True)
-
-    def done(self, search: BatchSearch) -> None:
-        pass
-
-
-def probe_line(count: int, probe: Probe) -> str:
-    what = f"trained, peak {format_bytes(probe.peak_bytes)}" if probe.fits else "out of memory"
-    return f"probe {count}: batch {probe.batch:,} {what} ({probe.seconds:.1f} s)"
-
-
-# The progress of a search when none is asked for: a factory (the most probes -> a progress, or None
-# for lines); the extension sets one that shows a bar in a notebook.
-default_progress = None
-
-
-def _progress(progress, most: int):
-    if progress is False:
-        return LineProgress(quiet=True)
-    if progress == "lines":
-        return LineProgress()
-    if progress in (None, "bar"):
-        shown = default_progress(most, progress == "bar") if default_progress is not None else None
-        if shown is None and progress == "bar":
-            raise SetupError("max_batch_size: progress='bar' is a notebook widget: load the extension first "
-                             "(%load_ext tfmem_widgets), or pass progress='lines'.")
-        return shown or LineProgress()
-    return progress
-
-
-def _next_batch(search: BatchSearch, past: list[int]) -> int | None:
+def _next_batch(search: BatchSearch, past: list[int], probe_past: bool = True) -> int | None:
     """The next batch to probe, or None when the edge is known to the resolution.
 
     Before a failure: the edge the line through the peaks predicts, at least 1.25 and at most
     GROWTH times the largest batch that trained. After one: the middle of the interval (near the
     limit the peaks flatten, so the line misaims there), then one probe past the edge (`past`
-    holds it once made): if that trains, fitting is not monotone here and the search stops."""
+    holds it once made): if that trains, fitting is not monotone here and the search stops. Without
+    `probe_past` (a failure above the edge is already known) the search stops at the edge."""
     if past:
         return None
     largest, failure = search.largest, search.first_failure
@@ -382,6 +350,8 @@ def _next_batch(search: BatchSearch, past: list[int]) -> int | None:
         return min(search.high, max(grow, largest + 1))
     step = max(1, math.ceil(largest * search.resolution))
     if failure - largest <= step:
+        if not probe_past:
+            return None
         beyond = min(search.high, failure + 4 * step)
         if beyond > failure and beyond not in {p.batch for p in search.probes}:
             past.append(beyond)
@@ -395,7 +365,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                    setup: Mapping[str, Any] | None = None, low: int = 1, high: int = 65536, steps: int = 2,
                    margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
                    max_probes: int = 16, progress: str | bool | None = None,
-                   env: Mapping[str, str] | None = None) -> BatchSearch:
+                   env: Mapping[str, str] | None = None, method: str = "auto") -> BatchSearch:
     """The largest batch `build_model()`'s model trains with, each probe in a fresh process.
 
     build_model: returns a compiled Keras model (XLA as you compile it).
@@ -411,6 +381,11 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}:
                  on a GPU, XLA's GEMM autotuner makes an XLA step past the edge wait (refused scratch,
                  10 s a refusal) for minutes instead of raising.
+
+    method:      "plan": plan the step at a few batches in one fresh process (XLA's buffer assignment, seconds
+                 each), then confirm the answer with a probe at it and one just past it (more probes only
+                 where they disagree); "probe": probes only; "auto" (default): plans where the model's step
+                 is an XLA program (jit_compile), probes otherwise (a plan of a step without XLA is an estimate).
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
@@ -431,6 +406,8 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     timeout = check_timeout(probe_timeout)
     setup = check_request(setup, env)  # checked once here; each probe's process applies it to its machine
     env = {str(k): str(v) for k, v in (env or {}).items()}
+    if method not in ("auto", "plan", "probe"):
+        raise SetupError(f"max_batch_size: method must be 'auto', 'plan' or 'probe', got {method!r}.")
     if progress not in (None, False, "lines", "bar") and not all(
             callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
         raise SetupError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
@@ -446,11 +423,19 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
 
     search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
                          lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
-    bar = _progress(progress, max_probes)
+    bar = progress_for(progress, max_probes)
     past: list[int] = []
     with search._probing() as probe_one:
         batch: int | None = low
+        probe_past = True
         try:
+            if method != "probe":
+                from .plan_search import BETWEEN, DONE, UP, plan_first
+
+                then = plan_first(search, probe_one, bar, auto=method == "auto")
+                probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already
+                batch = None if then == DONE else _next_batch(search, past, probe_past) if then in (UP, BETWEEN) \
+                    else low
             while batch is not None and len(search.probes) < max_probes:
                 bar.probing(len(search.probes) + 1, batch)
                 probe = probe_one(batch)
@@ -461,7 +446,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                     raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
                                      f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
                                      f"; {search.where}): raise the limit or make the model smaller.")
-                batch = _next_batch(search, past)
+                batch = _next_batch(search, past, probe_past)
         except KeyboardInterrupt:
             search.interrupted = True
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:

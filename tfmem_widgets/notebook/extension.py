@@ -39,7 +39,7 @@ def load(ipython) -> None:
     """Register %tfmem / %%tfmem, the OOM watcher (TensorFlow's dump at every OOM, into a folder of
     the extension's own) and the cell hooks; the shell's namespace is where Keras objects are
     looked for, and a batch search shows a bar in a notebook. Starts nothing."""
-    from ..fit import search
+    from ..fit import progress
     from ..oom import layers
     from ..oom.watch import watch_oom
     from .magics import TfmemMagics
@@ -48,7 +48,7 @@ def load(ipython) -> None:
     ipython.register_magics(TfmemMagics)
     watch_oom()
     layers.namespace_provider = lambda: ipython.user_ns
-    search.default_progress = notebook_progress
+    progress.default_progress = notebook_progress
     for event, hook in _HOOKS:
         if hook not in ipython.events.callbacks[event]:
             ipython.events.register(event, hook)
@@ -56,7 +56,7 @@ def load(ipython) -> None:
 
 def unload(ipython) -> None:
     """Remove what load added; gauges stop, and with them the sampler's thread."""
-    from ..fit import search
+    from ..fit import progress
     from ..oom import layers
     from ..oom.watch import unwatch_oom
     from ..readings.sampler import sampler
@@ -69,7 +69,7 @@ def unload(ipython) -> None:
             ipython.events.unregister(event, hook)
     unwatch_oom()
     layers.namespace_provider = None
-    search.default_progress = None
+    progress.default_progress = None
     stop()
     run_unload_hooks()
     sampler.stop()

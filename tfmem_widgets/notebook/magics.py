@@ -130,7 +130,7 @@ def _names(text: str) -> list[str]:
 
 def _parsers():
     line = MagicArgumentParser(prog="tfmem", description="TensorFlow memory: report (default) or setup.")
-    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel,record,oom}")
+    commands = line.add_subparsers(dest="command", metavar="{report,setup,watch,panel,record,oom,plan}")
     commands.add_parser("report", help="one row per device: TensorFlow, the driver (NVML), the host")
     watch = commands.add_parser("watch", help="a live gauge (watch stop: stop every gauge)")
     watch.add_argument("action", nargs="?", choices=["stop"], help="stop every running gauge")
@@ -145,6 +145,13 @@ def _parsers():
     rec.add_argument("--window", type=_window, action=_Once, default=10.0, metavar="S",
                      help="seconds per profiler window (1-3600; default 10)")
     commands.add_parser("oom", help="the last OOM's report again")
+    planned = commands.add_parser("plan", help="what a Keras train step needs at a batch, from XLA's plan, before it runs")
+    planned.add_argument("model", help="a compiled Keras model (a name or an expression without spaces)")
+    planned.add_argument("sample", help="(x, y) of any leading size: only its shapes and types are read")
+    planned.add_argument("-b", "--batch", type=_search_count("batch"), action=_Once, required=True, metavar="N",
+                         help="the batch to plan")
+    planned.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the StepPlan in NAME"
+                         )
     s = commands.add_parser(
         "setup",
         help="set TensorFlow's devices up (before its runtime starts), checked against its rules",
@@ -203,6 +210,10 @@ def _parsers():
     batch.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",
                        help="an environment variable for every probe (repeatable)")
     batch.add_argument("-v", dest="variable", action=_Once, metavar="NAME", help="store the BatchSearch in NAME")
+    how = batch.add_mutually_exclusive_group()
+    how.add_argument("--plan", action="store_const", const="plan", dest="method",
+                     help="plan the step first (XLA's buffer assignment), then confirm with two probes")
+    how.add_argument("--probe", action="store_const", const="probe", dest="method", help="probes only")
     return line, cell, fresh, batch
 
 
@@ -258,6 +269,8 @@ class TfmemMagics(Magics):
                     print("the recorder was not running" if stopped is None else repr(stopped))
                     return None
                 return recorder.record(args.window)
+            if args.command == "plan":
+                return self._plan(args)
             if args.command == "oom":
                 from ..oom.explain import last_oom
 
@@ -268,6 +281,23 @@ class TfmemMagics(Magics):
             return setup(**{name: getattr(args, name) for name in OPTION_NAMES})
         except SetupError as exc:
             raise UsageError(str(exc)) from None
+
+    def _plan(self, args):
+        from ..fit.plan import plan
+
+        if args.variable is not None and not args.variable.isidentifier():
+            raise SetupError(f"%tfmem plan: -v needs a Python name, got {args.variable!r}.")
+        values = []
+        for what, text in (("model", args.model), ("sample", args.sample)):
+            try:
+                values.append(self.shell.ev(text))
+            except Exception as exc:
+                raise SetupError(f"%tfmem plan: the {what} {text!r} could not be read here ({type(exc).__name__}: "
+                                 f"{exc}).") from None
+        result = plan(*values, args.batch)
+        if args.variable:
+            self.shell.user_ns[args.variable] = result
+        return result
 
     def _watch(self, args):
         from ..tf.devices import resolve_device
@@ -384,6 +414,7 @@ class TfmemMagics(Magics):
         options = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name) is not None}
         try:
             search = max_batch_size(namespace["build_model"], namespace["make_batch"], setup=options or None,
+                                    method=args.method or "auto",
                                     low=args.low, high=args.high, steps=args.steps, margin=args.margin,
                                     probe_timeout=args.timeout, env=dict(args.env))
         except SetupError as exc:
@@ -404,11 +435,13 @@ def _help() -> str:
         "%tfmem record [--window S] | %tfmem record stop\n"
         "                        record allocator events so the next OOM names each chunk's op and layer\n"
         "%tfmem oom              the last OOM's report (every OOM is explained in its cell)\n"
+        "%tfmem plan MODEL SAMPLE -b N [-v NAME]\n"
+        "                        what the model's train step needs at batch N, from XLA's plan, before it runs\n"
         "%%tfmem [-d DEV] [-o] [-q] [-v NAME]\n"
         "                        run the cell; exact peak and net change of the allocator\n"
         "%%tfmem trace [--plot] [--keep DIR] [-o] [-q] [-v NAME]\n"
         "                        every allocation of the cell: memory map, peak by op, OOM dump\n"
-        "%%tfmem batch [setup options] [--low N] [--high N] [--steps K] [--margin F] [-v NAME]\n"
+        "%%tfmem batch [setup options] [--low N] [--high N] [--steps K] [--margin F] [--plan|--probe] [-v NAME]\n"
         "                        the largest batch the cell's build_model() trains with (make_batch(n)),\n"
         "                        each probe in a new process\n"
         "%%tfmem fresh [setup options] [--env NAME=VALUE] [--path DIR] [-r NAME,NAME] [--timeout S]\n"

@@ -3,7 +3,9 @@ search's counting sets, tqdm's split of counting and showing."""
 
 from __future__ import annotations
 
-from ..fit.search import BatchSearch, Probe, probe_line
+from ..fit.probe import Probe
+from ..fit.progress import probe_line
+from ..fit.search import BatchSearch
 
 
 class ProgressBar:

@@ -66,9 +66,61 @@ def bin_of(size: int) -> int:
 
 def takes_whole(chunk_bytes: int, request_bytes: int) -> bool:
     """Whether a free chunk is handed out whole for a request (FindChunkPtr): it is split only when
-    it is at least twice the rounded request or more than 128 MiB larger than it."""
+    it is at least twice the rounded request or at least 128 MiB larger than it."""
     request = rounded(request_bytes)
-    return chunk_bytes < 2 * request and chunk_bytes - request <= MAX_WHOLE_CHUNK_EXCESS
+    return chunk_bytes < 2 * request and chunk_bytes - request < MAX_WHOLE_CHUNK_EXCESS
+
+
+def worst_take(request_bytes: int) -> int:
+    """The most the allocator can hand out for one request, whatever the pool holds: best fit takes
+    the smallest free chunk at least the rounded request R and hands it out whole unless it is at
+    least 2R or more than 128 MiB larger; chunks are 256-byte steps, so at most
+    min(2R - 256, R + 128 MiB - 256). A region made for the request (growth) is such a chunk too."""
+    request = rounded(request_bytes)
+    return min(2 * request - MIN_ALLOCATION, request + MAX_WHOLE_CHUNK_EXCESS - MIN_ALLOCATION)
+
+
+class GrowingPool:
+    """A pool that grows (allow_growth: lab mode's CPU allocator, a GPU with memory growth) taking
+    requests it keeps, in order, from a fresh start: what regions it makes and what each request
+    takes. Extend's rule: the next region is the current region size, doubled until the request
+    fits (a size raised to fit a request does not double again after), cut to what is left under
+    the limit; a request takes the smallest free tail of a region that holds it, or a new region
+    whole unless it may split. A model of a fresh process's pool, for requests that are not freed.
+    """
+
+    def __init__(self, limit_bytes: int, first_region: int = FIRST_GROWTH_REGION):
+        self.limit = limit_bytes
+        self.regions: list[int] = []  # sizes
+        self.free: list[int] = []  # the free tail of each region
+        self._next = rounded(min(limit_bytes, first_region))
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(self.regions)
+
+    def take(self, request_bytes: int) -> int | None:
+        """Bytes handed out for a request kept from now on; None when it no longer fits (an OOM)."""
+        request = rounded(request_bytes)
+        fitting = [k for k, free in enumerate(self.free) if free >= request]
+        if fitting:
+            k = min(fitting, key=lambda k: self.free[k])
+            taken = request if not takes_whole(self.free[k], request) else self.free[k]
+            self.free[k] -= taken
+            return taken
+        available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
+        if request > available:
+            return None
+        raised = False
+        while self._next < request:
+            self._next, raised = self._next * 2, True
+        size = min(self._next, available)
+        if not raised:
+            self._next *= 2
+        self.regions.append(size)
+        taken = size if takes_whole(size, request) else request
+        self.free.append(size - taken)
+        return taken
 
 
 def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:

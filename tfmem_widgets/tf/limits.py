@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..units import MiB
-from .allocator import LAB_ALLOCATOR_NAME, gpu_ordinal
+from .allocator import LAB_ALLOCATOR_NAME, allocator_of_device, gpu_ordinal
 from .devices import LogicalDevice, logical_devices, physical_gpus, resolve_device
 from .lab import lab_limit_bytes
-from .runtime import runtime_started
+from .options import FORCE_GROWTH_ENV
+from .runtime import runtime_started, setup_env
 
 # Where a limit below the hardware was set by the user (an OOM under it is the verdict 'limit').
 CAPPED_SOURCES = ("lab mode", "logical device limit", "memory fraction")
@@ -66,6 +67,19 @@ def device_limit(device: LogicalDevice, started: bool, lab_limit: int | None,
 def limit_of(device: str | None = None) -> DeviceLimit:
     """The limit of a device of this process by name ('GPU:0', 'CPU:0'; None: the first GPU, else the CPU)."""
     return device_limit(resolve_device(device), runtime_started(), lab_limit_bytes())
+
+
+def allocator_growth() -> dict[str, bool]:
+    """Whether each allocator grows its pool on demand (lab mode's always does; a GPU's with growth,
+    or TF_FORCE_GPU_ALLOW_GROWTH=true); one that does not takes its whole limit at its first use."""
+    growth = {LAB_ALLOCATOR_NAME: True}
+    forced = setup_env().get(FORCE_GROWTH_ENV) == "true"
+    gpus = {g.index: g for g in physical_gpus()}
+    for device in logical_devices(list(gpus.values())):
+        if device.device_type == "GPU":
+            gpu = gpus[device.physical_index]
+            growth[allocator_of_device(device.name)] = forced or (gpu.growth and gpu.logical_limits_mb is None)
+    return growth
 
 
 def host_total_bytes() -> int:

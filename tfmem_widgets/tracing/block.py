@@ -21,11 +21,11 @@ import numpy as np
 from ..errors import SetupError, TraceDataError
 from ..oom.message import oom_info
 from ..tf import dump_place
-from ..tf.allocator import LAB_ALLOCATOR_NAME, allocator_of_device, has_text_dump
-from ..tf.devices import logical_devices, physical_gpus
+from ..tf.allocator import has_text_dump
 from ..tf.dump_place import DUMP_ENV
 from ..tf.lab import lab_limit_bytes
-from ..tf.options import FORCE_GROWTH_ENV, GPU_ALLOCATOR_ENV
+from ..tf.limits import allocator_growth
+from ..tf.options import GPU_ALLOCATOR_ENV
 from ..tf.runtime import runtime_started, setup_env, tensorflow
 from .allocator_map import AllocatorMap
 from .capture import StderrCapture
@@ -35,19 +35,6 @@ from .profiler import TRACE_LOCK as _active
 from .profiler import profiler_options, running_recorder
 from .result import Trace
 from .xspace import read_xplane_file
-
-
-def _allocator_growth() -> dict[str, bool]:
-    """Whether each allocator grows its pool (lab mode always does)."""
-    growth = {LAB_ALLOCATOR_NAME: True}
-    forced = setup_env().get(FORCE_GROWTH_ENV) == "true"
-    gpus = {g.index: g for g in physical_gpus()}
-    for device in logical_devices(list(gpus.values())):
-        if device.device_type == "GPU":
-            gpu = gpus[device.physical_index]
-            grows = forced or (gpu.growth and gpu.logical_limits_mb is None)
-            growth[allocator_of_device(device.name)] = grows
-    return growth
 
 
 def tracing() -> bool:
@@ -122,7 +109,7 @@ class trace:
                 "allocator, so there are no chunks to trace; %%tfmem measures it."
             )
         self._fresh = not runtime_started()
-        self._growth = _allocator_growth()
+        self._growth = allocator_growth()
         self._logdir = self._make_logdir()
         self._made_logdir = True
         user_prefix = dump_place.user_prefix()  # the OOM watcher's place is not the user's

@@ -1,0 +1,133 @@
+"""Plans against measured steps, and what fits from plans against the probe search, side by side.
+
+    .venv/bin/python benchmarks/plan_vs_probe.py [--gpu] [--skip-search]
+
+1. For a Dense, an attention and a convolution model compiled with jit_compile=True, one fresh
+   process each: tfmem_widgets.plan() at three batches, then the same step run by Keras' own train
+   function with the pool holding a free chunk it can split (a large tensor made and dropped first), its
+   peak over in-use before. Prints plan, measured and the error of each plan.
+2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
+   method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
+   their ratio. Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical
+   device limit of 16000 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tfmem_widgets  # noqa: E402
+from tfmem_widgets.fit.fresh import run_fresh  # noqa: E402
+
+MODELS = '''
+import keras, numpy as np
+
+def dense():
+    model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(10)], name="dense_model")
+    return model, (np.random.rand(8, 512).astype("float32"), np.random.randint(0, 10, 8)), (256, 1024, 4096)
+
+def attention(seq=64, vocab=1000, dim=64):
+    L = keras.layers
+    tokens = keras.Input((seq,), dtype="int32")
+    h = L.Embedding(vocab, dim, name="embed")(tokens)
+    h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=4, key_dim=16, name="mha")(h, h))
+    f = L.Dense(dim, name="ffn_out")(L.Dense(128, activation="relu", name="ffn_in")(h))
+    h = L.LayerNormalization(name="ln2")(h + f)
+    model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)), name="attention_model")
+    return model, (np.random.randint(0, vocab, (8, seq)).astype("int32"), np.random.randint(0, 10, 8)), (16, 64, 128)
+
+def conv():
+    L = keras.layers
+    model = keras.Sequential([keras.Input((32, 32, 3)), L.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
+                              L.MaxPooling2D(name="pool1"), L.Conv2D(32, 3, padding="same", activation="relu", name="conv2"),
+                              L.MaxPooling2D(name="pool2"), L.Flatten(), L.Dense(10, name="head")], name="conv_model")
+    return model, (np.random.rand(8, 32, 32, 3).astype("float32"), np.random.randint(0, 10, 8)), (32, 128, 256)
+'''
+
+STEPS = MODELS + '''
+import json, time
+import tensorflow as tf
+import tfmem_widgets
+device = {device!r}
+with tf.device(device):
+    spare = tf.zeros([{spare_mb} << 18]); del spare     # a free chunk every step's request is split from
+keras.utils.set_random_seed(0)
+model, sample, batches = {shape}()
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+rows = []
+for batch in batches:
+    started = time.perf_counter()
+    planned = tfmem_widgets.plan(model, sample, batch)
+    seconds = time.perf_counter() - started
+    with tf.device(device):
+        x = tf.constant(np.resize(sample[0], (batch,) + sample[0].shape[1:])); y = tf.constant(np.resize(sample[1], (batch,)))
+    model.make_train_function()
+    model.train_function([(x, y)]); model.train_function([(x, y)])   # compiled, warm
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    model.train_function([(x, y)])
+    measured = tf.config.experimental.get_memory_info(device)["peak"] - before
+    rows.append(dict(batch=batch, plan=planned.step_bytes, measured=measured, worst=planned.worst_take_bytes,
+                     unattributed=planned.layers.unattributed_bytes, seconds=seconds))
+print("ROWS " + json.dumps(rows))
+'''
+
+SEARCH_MODEL = '''
+def build_model():
+    import keras
+    model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=True)
+    return model
+
+def make_batch(n):
+    import numpy as np
+    return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+'''
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--skip-search", action="store_true")
+    args = parser.parse_args()
+    setup = {"growth": True} if args.gpu else {"lab_mb": 1024}
+    device = "GPU:0" if args.gpu else "CPU:0"
+    print("== plans against measured steps (jit_compile=True), " + ("GPU" if args.gpu else "lab mode 1024 MB"))
+    for shape in ("dense", "attention", "conv"):
+        run = run_fresh(STEPS.format(device=device, spare_mb=768, shape=shape), setup=setup, echo=False,
+                        returns=["rows"])
+        for row in run.values["rows"]:
+            error = (row["measured"] - row["plan"]) / row["measured"]
+            print(f"{shape:<10} batch {row['batch']:>5}: plan {row['plan']:>12,} B  measured {row['measured']:>12,} B  "
+                  f"error {error:+.4%}  worst take {row['worst']:>12,} B  unattributed {row['unattributed']:,} B  "
+                  f"planned in {row['seconds']:.2f} s")
+    if args.skip_search:
+        return
+    namespace: dict = {}
+    exec(SEARCH_MODEL, namespace)
+    search_setup = {"limit_mb": 16000} if args.gpu else {"lab_mb": 128}
+    print("\n== what fits: the probe search and the plan search, one after the other, " + json.dumps(search_setup))
+    found = {}
+    for method in ("probe", "plan"):
+        started = time.perf_counter()
+        search = tfmem_widgets.max_batch_size(namespace["build_model"], namespace["make_batch"], setup=search_setup,
+                                              high=65536 if args.gpu else 16384, progress=False, method=method)
+        found[method] = (search, time.perf_counter() - started)
+        safe, failure = search.edge
+        print(f"{method:<6} largest below every failure {safe:,}, smallest failure {failure:,}; "
+              f"{len(search.plans)} plans, {len(search.probes)} probes; {found[method][1]:.1f} s")
+    ratio = found["plan"][1] / found["probe"][1]
+    same = abs(found["plan"][0].edge[0] - found["probe"][0].edge[0]) <= max(1, found["probe"][0].edge[0] * 0.02)
+    print(f"plan / probe time: x{ratio:.2f}; the same edge within the 2% resolution: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""XLA's own plan of a program, read from its optimized HLO module: the buffer assignment.
+
+``get_compiler_ir(..., stage="optimized_hlo_proto_serialized")`` gives an ``HloProto``: the module's
+instructions (each with the TensorFlow op name it came from) and its buffer assignment (every
+allocation with its size and kind, the logical buffers placed in it, and the heap simulator's trace
+of when each buffer lives). Which allocations a run of the program takes from TensorFlow's allocator:
+
+- entry parameters: the batch and the variables, already allocated; a variable the step updates is
+  an output aliased to its parameter and is written in place (no new bytes);
+- thread-local allocations: XLA:CPU's stack, never the allocator's;
+- constants: emitted into the code (XLA:CPU) or allocated once at load (XLA:GPU), not per run;
+- the rest: the temporary allocation and the outputs that are not parameters (the loss, metrics,
+  the output tuple's table), each taken whole at the start of a run and given back at its end.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+PARAMETER, THREAD_LOCAL, CONSTANT, OUTPUT, TEMP = "parameter", "thread-local", "constant", "output", "temp"
+PER_RUN = (TEMP, OUTPUT)  # the kinds a run takes from the allocator
+
+
+def hlo_proto(serialized: bytes):
+    """The HloProto of `get_compiler_ir(stage="optimized_hlo_proto_serialized")`."""
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    proto = hlo_pb2.HloProto()
+    proto.ParseFromString(serialized)
+    return proto
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One of XLA's buffer allocations: its size, kind, entry parameter number and buffers."""
+
+    index: int
+    size: int
+    kind: str
+    parameter: int | None
+    buffers: tuple[int, ...]  # logical buffer ids placed in it
+
+
+def allocations(proto) -> list[Allocation]:
+    found = []
+    for a in proto.buffer_assignment.buffer_allocations:
+        if a.is_entry_computation_parameter:
+            kind = PARAMETER
+        elif a.is_thread_local:
+            kind = THREAD_LOCAL
+        elif a.is_constant:
+            kind = CONSTANT
+        elif a.maybe_live_out:
+            kind = OUTPUT
+        else:
+            kind = TEMP
+        found.append(Allocation(a.index, a.size, kind, a.parameter_number if kind == PARAMETER else None,
+                                tuple(x.logical_buffer_id for x in a.assigned)))
+    return found
+
+
+class HloIndex:
+    """The module's instructions by id and name, their users, and the logical buffers."""
+
+    def __init__(self, proto):
+        self.proto = proto
+        self.by_id, self.by_name, self.computations = {}, {}, {}
+        self.users = defaultdict(list)
+        for computation in proto.hlo_module.computations:
+            self.computations[computation.id] = computation
+            for ins in computation.instructions:
+                self.by_id[ins.id] = ins
+                self.by_name[ins.name] = ins
+                for operand in ins.operand_ids:
+                    self.users[operand].append(ins)
+        self.entry = self.computations.get(proto.hlo_module.entry_computation_id)
+        self.buffers = {b.id: b for b in proto.buffer_assignment.logical_buffers}
+
+    def op_name(self, ins) -> str:
+        """The TensorFlow op an instruction came from; a fusion's (or call's) from inside it."""
+        for _ in range(8):
+            if ins is None or ins.metadata.op_name:
+                break
+            called = list(ins.called_computation_ids)
+            computation = self.computations.get(called[0]) if called else None
+            if computation is None:
+                break
+            root = self.by_id.get(computation.root_id)
+            if root is not None and root.metadata.op_name:
+                return root.metadata.op_name
+            named = [i for i in computation.instructions if i.metadata.op_name]
+            if named:
+                return named[-1].metadata.op_name
+            ins = root
+        return ins.metadata.op_name if ins is not None else ""
+
+    def instruction_of(self, buffer_id: int):
+        """The instruction that defines a logical buffer (its id: the name is often empty)."""
+        buffer = self.buffers.get(buffer_id)
+        if buffer is None:
+            return None
+        defined = buffer.defined_at
+        return self.by_name.get(defined.instruction_name) if defined.instruction_name else \
+            self.by_id.get(defined.instruction_id)
+
+
+def live_at_peak(proto, temp: Allocation) -> tuple[int, dict[int, int]]:
+    """(the most bytes live at once in the temporary allocation, {buffer id: bytes} live then), from
+    the heap simulator's trace. Its allocation index predates XLA's combining of temporary
+    allocations, so the trace is matched by the buffers placed in `temp`; a buffer that shares
+    another's place (SHARE_WITH) is counted once."""
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    kinds = hlo_pb2.HeapSimulatorTrace.Event
+    placed = {}
+    for a in proto.buffer_assignment.buffer_allocations:
+        if a.index == temp.index:
+            placed = {x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
+    ours = set(temp.buffers)
+    live: dict[int, tuple[int, int]] = {}
+    best, best_live = -1, {}
+    for trace in proto.buffer_assignment.heap_simulator_traces:
+        if not any(e.buffer_id in ours for e in trace.events):
+            continue
+        for event in trace.events:
+            if event.buffer_id not in ours:
+                continue
+            if event.kind == kinds.FREE:
+                live.pop(event.buffer_id, None)
+                continue
+            live[event.buffer_id] = placed.get(event.buffer_id, (0, 0))
+            ranges: dict[tuple[int, int], int] = {}
+            for buffer, place in live.items():
+                ranges.setdefault(place, buffer)
+            total = sum(size for _, size in ranges)
+            if total > best:
+                best, best_live = total, {buffer: size for (_, size), buffer in ranges.items()}
+    return max(best, 0), best_live

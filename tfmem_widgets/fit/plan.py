@@ -1,0 +1,330 @@
+"""Plan before you run: what a Keras train step needs, from XLA's own buffer assignment.
+
+``plan(model, sample, batch_size)`` traces the train step the way ``fit`` runs it (the model's own
+``train_step``, its optimizer and loss) from ``tf.TensorSpec``s with `batch_size` rows, has XLA
+compile it, and reads the buffer assignment (``fit/hlo.py``): the step's bytes are XLA's temporary
+allocation and its outputs, each as the allocator rounds it. Nothing runs and no batch is made. What
+``fit`` would build before its first step (the optimizer's slots, the weights of a model not built
+yet) is built the way ``fit`` builds it, and said.
+
+Measured in lab mode (tests/test_plan.py): the step of a Dense, an attention and a convolution model
+equals the plan to the byte when the pool has a free chunk to split; in a pool that grows, the
+allocator hands out whole regions (its no-split rule), between the plan and ``worst_take_bytes``.
+A model compiled without XLA (``jit_compile=False``, Keras' default on a CPU) runs another program:
+its plan is the XLA program's, labelled an estimate.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SetupError
+from ..oom.layers import LayerAnatomy
+from ..text import LinesText
+from ..tf.allocator import GrowingPool, rounded, worst_take
+from ..units import MiB, format_bytes
+from . import hlo
+
+
+@dataclass(repr=False)
+class StepPlan(LinesText):
+    """One train step planned at `batch_size` rows. Bytes are what TensorFlow's allocator hands out
+    (256-byte steps).
+
+    resident_bytes: the model's variables (weights, optimizer state, metrics), held before the step.
+    batch_bytes: the batch on the device (the step's inputs).
+    step_bytes: what the step takes beyond its inputs: XLA's temporary allocation and its outputs.
+    worst_take_bytes: the most the allocator may hand out for those (no-split rule, region growth).
+    """
+
+    batch_size: int
+    device: str  # 'CPU:0' (lab mode), 'GPU:0'
+    resident_bytes: int
+    resident_parts: dict[str, int]
+    batch_bytes: int
+    step_bytes: int
+    step_allocations: tuple[int, ...]  # the step's allocations as XLA sizes them, largest first
+    worst_take_bytes: int
+    layers: LayerAnatomy  # the step's bytes live at its peak, by Keras layer and phase
+    jit_compile: bool | None  # the model's own setting
+    xla_flags: str  # XLA_FLAGS when it was compiled ('' for none)
+    autotuning: str
+    trace_seconds: float
+    compile_seconds: float
+    limit_bytes: int | None = None  # the device's limit when planned, and where it comes from
+    limit_source: str = ""
+    growth: bool = True  # the device's pool grows on demand
+    resident_sizes: tuple[int, ...] = ()  # each variable's and each input's bytes, for the pool model
+    batch_sizes: tuple[int, ...] = ()
+    built: tuple[str, ...] = ()  # what plan() built the way fit would have (the optimizer's slots...)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def estimate(self) -> bool:
+        """The model runs its step without XLA: the plan is the XLA program's, not the one fit runs."""
+        return self.jit_compile is not True
+
+    @property
+    def peak_bytes(self) -> int:
+        """In use at the step's peak, from an empty device: resident + batch + step."""
+        return self.resident_bytes + self.batch_bytes + self.step_bytes
+
+    @property
+    def worst_peak_bytes(self) -> int:
+        return self.resident_bytes + self.batch_bytes + self.worst_take_bytes
+
+    def by_layer(self) -> LayerAnatomy:
+        """The step's bytes live at its peak by Keras layer and phase (forward activations,
+        gradients, optimizer update); the model's variables are resident_parts."""
+        return self.layers
+
+    def take_in_fresh_pool(self, limit_bytes: int | None = None) -> int | None:
+        """What the allocator hands out for the step in a fresh process's pool that grows (lab mode,
+        growth on a GPU): the variables and the batch take their regions first, then the step's
+        allocations take the rest, whole regions where the no-split rule says so; None when a
+        request finds no room (the step does not fit there although its bytes might)."""
+        limit = self._limit(limit_bytes)
+        pool = GrowingPool(limit)
+        for size in (*self.resident_sizes, *self.batch_sizes):
+            if pool.take(size) is None:
+                return None
+        taken = [pool.take(size) for size in self.step_allocations]
+        return None if None in taken else sum(taken)
+
+    def fits(self, limit_bytes: int | None = None) -> bool:
+        """Whether the step fits under `limit_bytes` (None: the device's limit when planned): its peak
+        within the limit, and, where the pool grows, each of its allocations finding room in the pool
+        a fresh process has made by then (regions never merge)."""
+        limit = self._limit(limit_bytes)
+        if self.peak_bytes > limit:
+            return False
+        return not self.growth or self.take_in_fresh_pool(limit) is not None
+
+    def _limit(self, limit_bytes: int | None) -> int:
+        limit = self.limit_bytes if limit_bytes is None else limit_bytes
+        if limit is None:
+            raise SetupError("this plan knows no limit of its device: pass limit_bytes.")
+        return int(limit)
+
+    # -- text and picture ------------------------------------------------------------------
+    def lines(self) -> list[str]:
+        how = "an XLA program, as fit runs it" if not self.estimate else (
+            "ESTIMATE: the model is compiled with jit_compile=False, so fit runs another program; this is the "
+            "same step under XLA")
+        out = [f"tfmem plan: the train step at batch {self.batch_size:,} on {self.device} ({how})"]
+        parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in self.resident_parts.items() if b)
+        out.append(f"  resident {format_bytes(self.resident_bytes)} ({parts or 'no variables'}), "
+                   f"batch {format_bytes(self.batch_bytes)}, step {format_bytes(self.step_bytes)}")
+        line = f"  peak {format_bytes(self.peak_bytes)}"
+        if self.limit_bytes is not None:
+            spare = self.limit_bytes - self.peak_bytes
+            line += (f" of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): "
+                     + ("fits" if self.fits() else "does not fit")
+                     + (f", {format_bytes(spare)} to spare" if spare >= 0 else f", {format_bytes(-spare)} short"))
+        out.append(line)
+        take = self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth else None
+        out.append(f"  the allocator may hand out up to {format_bytes(self.worst_take_bytes)} for the step "
+                   "(whole chunks under its no-split rule)"
+                   + (f"; in a fresh process's growing pool {format_bytes(take)}" if take is not None else ""))
+        out.append(f"  compiled in {self.compile_seconds:.1f} s (traced in {self.trace_seconds:.1f} s); "
+                   f"XLA_FLAGS {self.xla_flags or 'unset'}; autotuning: {self.autotuning}")
+        if len(self.layers):
+            out.append("  the step at its peak, by layer:")
+            out += ["  " + line for line in self.layers.lines(top=8)]
+        if self.built:
+            out.append(f"  note: built as fit builds it before its first step: {', '.join(self.built)}")
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+    def plot(self, ax=None, limit_bytes: int | None = None, top: int = 8):
+        """The step's peak against the limit (resident, batch, step, and the worst take), and the
+        step's largest owners by layer."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 3.4))
+        limit = self.limit_bytes if limit_bytes is None else limit_bytes
+        left = 0.0
+        for label, size, color in (("resident", self.resident_bytes, "#7f7f7f"), ("batch", self.batch_bytes, "#2ca02c"),
+                                   ("step", self.step_bytes, "#1f77b4")):
+            ax.barh(1, size / MiB, left=left, color=color, label=f"{label} {format_bytes(size)}")
+            left += size / MiB
+        extra = (self.worst_take_bytes - self.step_bytes) / MiB
+        if extra > 0:
+            ax.barh(1, extra, left=left, color="none", edgecolor="#1f77b4", hatch="//", label="up to the worst take")
+        left = 0.0
+        for k, (key, size) in enumerate(self.layers.items()[:top]):
+            ax.barh(0, size / MiB, left=left, color=f"C{k % 10}", edgecolor="white", label=f"{key} {format_bytes(size)}")
+            left += size / MiB
+        if limit:
+            ax.axvline(limit / MiB, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(limit)}")
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["step by layer", "peak"])
+        ax.set_xlabel("MiB")
+        ax.set_title(f"train step at batch {self.batch_size:,}" + (" (estimate)" if self.estimate else ""))
+        ax.legend(loc="lower right", fontsize=7)
+        return ax
+
+
+def _xla_settings(device: str) -> tuple[str, str]:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not device.startswith("GPU"):
+        return flags, "none (XLA on a CPU)"
+    level = next((f.split("=", 1)[1] for f in flags.split() if f.startswith("--xla_gpu_autotune_level=")), None)
+    if level == "0":
+        return flags, "off (--xla_gpu_autotune_level=0): the plan holds for the program compiled with it off"
+    return flags, (f"level {level or 'default'}: kernels tried at compile time on the device; the plan holds "
+                   "for the program compiled the same way")
+
+
+def batch_specs(sample, batch_size: int):
+    """`sample` (x, y) in any structure Keras takes, as TensorSpecs of `batch_size` rows. Floating
+    arrays become Keras' floatx, as its array adapter casts them; TensorSpecs keep their dtype."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def spec(leaf):
+        if leaf is None:
+            return None
+        if isinstance(leaf, tf.TensorSpec):
+            shape, dtype = leaf.shape, leaf.dtype
+        else:
+            leaf = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
+            shape, dtype = tf.TensorShape(leaf.shape), tf.as_dtype(leaf.dtype)
+            if dtype.is_floating and dtype.name != keras.config.floatx():
+                dtype = tf.as_dtype(keras.config.floatx())
+        if shape.rank is None or shape.rank == 0:
+            raise SetupError(f"plan: each part of the sample needs a leading (batch) axis; one has shape {shape}.")
+        return tf.TensorSpec([batch_size, *shape.as_list()[1:]], dtype)
+
+    return keras.tree.map_structure(spec, sample)
+
+
+def _nbytes(shape, dtype) -> int:
+    import tensorflow as tf
+
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * tf.as_dtype(dtype).size
+
+
+def _build_like_fit(model, specs) -> tuple[str, ...]:
+    """What fit builds before its first step (Trainer._symbolic_build: the layers, the compiled loss
+    and metrics, the optimizer's slots), built here from specs the same way; returns what was not
+    built yet. Building inside the traced step would fail (variables made inside an XLA function)."""
+    unbuilt = [name for name, pending in (
+        ("the layers' weights", not all(layer.built for layer in model._flatten_layers())),
+        ("the metrics", model._compile_metrics is not None and not model._compile_metrics.built),
+        ("the loss", model._compile_loss is not None and not model._compile_loss.built),
+        ("the optimizer's slots", model.optimizer is not None and not model.optimizer.built)) if pending]
+    if unbuilt:
+        model._symbolic_build(data_batch=specs)
+    return tuple(unbuilt)
+
+
+def _device_of(model) -> str:
+    """Where the model's variables live, in TensorFlow's full form."""
+    for variable in model.variables:
+        device = getattr(getattr(variable, "value", variable), "device", "")
+        if device:
+            return device
+    return "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def _compile(model, specs, device: str):
+    """The step traced from specs and compiled by XLA for `device`: (HloProto, the concrete function,
+    trace seconds, compile seconds, the scopes Keras entered). The context's get_compiler_ir is
+    called directly: the public experimental_get_compiler_ir takes no nested specs and runs an op
+    (an allocation) to find its device."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from .plan_owners import ScopeRecorder
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):  # Keras' own step function, as TensorFlowTrainer makes it, compiled by XLA
+        return model.distribute_strategy.run(model.train_step, args=(data,))
+
+    function = tf.function(one_step_on_data, jit_compile=True, reduce_retracing=False)
+    with tf.device(device), ScopeRecorder() as scopes:
+        started = time.perf_counter()
+        concrete = function.get_concrete_function(specs)
+        traced = time.perf_counter()
+        serialized = context.context().get_compiler_ir(
+            device_name=device, platform_name=None, function_name=concrete.name,
+            flat_args=tf.nest.flatten(concrete.structured_input_signature), captured_inputs=concrete.captured_inputs,
+            stage="optimized_hlo_proto_serialized")
+        compiled = time.perf_counter()
+    return hlo.hlo_proto(serialized), concrete, traced - started, compiled - traced, scopes.scopes
+
+
+def plan(model, sample, batch_size: int) -> StepPlan:
+    """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs.
+
+    model: a compiled Keras model (TensorFlow backend). sample: (x, y) of any leading size (arrays,
+    tensors, nested as Keras takes them, or tf.TensorSpecs): only its shapes and types are read.
+
+    >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096)
+    >>> p.step_bytes, p.fits(), p.by_layer()
+    """
+    import keras
+
+    from ..oom.layers import LayerAnatomy
+    from ..tf.allocator import allocator_of_device
+    from ..tf.devices import resolve_device
+    from ..tf.limits import allocator_growth, limit_of
+    from .plan_owners import Owners, parameter_owners
+
+    if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
+        raise SetupError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
+                         + ("" if not isinstance(model, keras.Model) else " with no optimizer (compile it first)") + ".")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise SetupError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
+    specs = batch_specs(sample, batch_size)
+    built = _build_like_fit(model, specs)
+    device = _device_of(model)
+    try:
+        proto, concrete, trace_s, compile_s, scopes = _compile(model, specs, device)
+    except Exception as exc:  # TensorFlow's own words, in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise SetupError(f"plan: XLA could not compile the step at batch {batch_size:,} ({type(exc).__name__}: "
+                         f"{first}).") from None
+    allocations = hlo.allocations(proto)
+    flat_specs = [s for s in keras.tree.flatten(specs) if s is not None]
+    per_run = sorted((a for a in allocations if a.kind in hlo.PER_RUN), key=lambda a: -a.size)
+    index = hlo.HloIndex(proto)
+    owners = Owners(index, scopes, parameter_owners(model, concrete, len(flat_specs)))
+    rows: dict[str, dict[str, int]] = {}
+    for allocation in per_run:
+        if allocation.kind == hlo.TEMP:
+            _, live = hlo.live_at_peak(proto, allocation)
+            pieces = list(live.items())
+        else:  # an output: its buffers share it, the first names it
+            pieces = [(allocation.buffers[0], allocation.size)] if allocation.buffers else []
+        for buffer, size in pieces:
+            key, phase = owners.of(index.instruction_of(buffer))
+            rows.setdefault(key, {}).setdefault(phase, 0)
+            rows[key][phase] += size
+    step = sum(rounded(a.size) for a in per_run)
+    optimizer_vars = list(model.optimizer.variables) if model.optimizer is not None else []
+    parts = {"weights": sum(_nbytes(v.shape, v.dtype) for v in model.trainable_variables),
+             "non-trainable": sum(_nbytes(v.shape, v.dtype) for v in model.non_trainable_variables),
+             "optimizer": sum(_nbytes(v.shape, v.dtype) for v in optimizer_vars),
+             "metrics": sum(_nbytes(v.shape, v.dtype) for v in model.metrics_variables)}
+    name = resolve_device(device).name
+    limit = limit_of(name)
+    flags, autotuning = _xla_settings(name)
+    variables = [*model.variables, *optimizer_vars, *model.metrics_variables]
+    return StepPlan(
+        batch_size=batch_size, device=name, resident_bytes=sum(parts.values()), resident_parts=parts,
+        batch_bytes=sum(_nbytes(s.shape, s.dtype) for s in flat_specs), step_bytes=step,
+        step_allocations=tuple(a.size for a in per_run), worst_take_bytes=sum(worst_take(a.size) for a in per_run),
+        layers=LayerAnatomy(rows, step), jit_compile=model.jit_compile, xla_flags=flags,
+        autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
+        limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
+        resident_sizes=tuple(_nbytes(v.shape, v.dtype) for v in variables),
+        batch_sizes=tuple(_nbytes(s.shape, s.dtype) for s in flat_specs), built=built)

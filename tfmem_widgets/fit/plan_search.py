@@ -1,0 +1,178 @@
+"""What fits, from plans: the largest batch whose planned step fits the limit, in a few compiles.
+
+A step's bytes are close to linear in the batch, but not quite (the largest moment's live set
+changes: a Dense model's step grows 6.3 KB a row at 64-256 rows and 12.4 KB at 4,096), so a line
+through small batches misaims: each plan is aimed by a line through the two plans nearest the limit
+on either side (regula falsi), with a halving step when the line keeps missing. A batch fits when
+its plan does (``StepPlan.fits``: the peak within the limit and, where the pool grows, each of the
+step's allocations finding room).
+
+``max_batch_size(method="plan")`` runs this in one fresh process set up like the probes, then
+confirms the answer with a probe at it and one just past it (``fit/search.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SetupError
+from .plan import StepPlan, plan
+
+
+@dataclass
+class PlanSearch:
+    """The plans of a search and the largest batch that fits by them."""
+
+    batch: int | None  # the largest batch planned to fit (None: not even `low`)
+    failure: int | None  # the smallest batch planned not to fit above it
+    plans: list[StepPlan] = field(default_factory=list)
+    seconds: float = 0.0
+    jit_compile: bool | None = None
+    limit_bytes: int | None = None
+    limit_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
+                          resolution: float = 0.02, max_plans: int = 14) -> PlanSearch:
+    """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
+    device's limit), to within `resolution` (a fraction of the batch)."""
+    started = time.perf_counter()
+    plans: dict[int, StepPlan] = {}
+    notes: list[str] = []
+
+    def at(batch: int) -> StepPlan | None:
+        if batch not in plans:
+            try:
+                plans[batch] = plan(model, sample, batch)
+            except SetupError as exc:  # XLA could not compile it (an autotuner without room): not fitting
+                notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
+                return None
+        return plans[batch]
+
+    first = at(low)
+    if first is None:
+        raise SetupError(notes[-1] if notes else "plan: the step could not be planned.")
+    limit = first.limit_bytes if limit_bytes is None else limit_bytes
+    if limit is None:
+        raise SetupError("the device's limit is not known: pass limit_bytes.")
+
+    def fits(batch: int) -> bool:
+        planned = at(batch)
+        return planned is not None and planned.fits(limit)
+
+    lo, hi = (low, None) if fits(low) else (None, low)
+    if lo is not None and high > low:
+        aim = min(high, max(low + 1, 2 * low, 32))
+        while len(plans) < max_plans:
+            if fits(aim):
+                lo = aim
+                if aim >= high:
+                    break
+            else:
+                hi = aim
+            if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
+                break
+            aim = _next_aim(plans, lo, hi, limit, high)
+    seconds = time.perf_counter() - started
+    return PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
+                      limit, first.limit_source if limit_bytes is None else "given", notes)
+
+
+def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, high: int) -> int:
+    """Where the line through the plans nearest the limit meets it, kept inside (lo, hi); the middle
+    when the line lands on an end (a step that fits by its bytes can still miss room in a growing
+    pool, so the line alone may never close in)."""
+    known = [p for p in plans.values() if p.batch_size in (lo, hi)] if hi is not None else \
+        sorted(plans.values(), key=lambda p: p.batch_size)[-2:]
+    guess = None
+    if len(known) == 2 and known[1].batch_size != known[0].batch_size:
+        (b0, y0), (b1, y1) = [(p.batch_size, p.peak_bytes) for p in known]
+        slope = (y1 - y0) / (b1 - b0)
+        if slope > 0:
+            guess = int(b0 + (limit - y0) / slope)
+    if hi is None:
+        grown = 16 * lo
+        guess = grown if guess is None else min(max(guess, lo + max(1, lo // 4)), grown)
+        return min(high, max(guess, lo + 1))
+    middle = (lo + hi) // 2
+    if guess is None or not lo < guess < hi or guess in plans:
+        return middle
+    # Near the edge keep a step of at least a quarter of the gap from either end, so it closes in.
+    quarter = max(1, (hi - lo) // 4)
+    return min(max(guess, lo + quarter), hi - quarter) if hi - lo > 2 else middle
+
+
+def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int) -> PlanSearch:
+    """In a fresh process set up like the probes: build the model the user's way, then plan."""
+    import pickle
+    from pathlib import Path
+
+    build_model, make_batch = pickle.loads(Path(path).read_bytes())
+    model = build_model()
+    sample = make_batch(min(low, 8))
+    found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans)
+    for planned in found.plans:
+        planned.notes = ()  # what goes back: figures, not the process's notes
+    return found
+
+
+PLAN_CODE = """
+from tfmem_widgets.fit.plan_search import search_in_process
+found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans})
+"""
+
+
+DONE, FROM_LOW, UP, BETWEEN = "done", "from low", "up", "between"
+
+
+def plan_first(search, probe_one, progress, auto: bool) -> str:
+    """A batch search's plans (one fresh process set up like its probes), then the answer confirmed
+    by a probe at it and one just past it. Returns how the probe search goes on: DONE (the probes
+    agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
+    BETWEEN (the answer did not train, a batch a little below it did: the probes close in between)."""
+    from ..errors import FreshRunError
+    from .fresh import run_checked
+
+    _, setup, env, timeout = search._run
+    started = time.perf_counter()
+    code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
+                            resolution=search.resolution, max_plans=14)
+    try:
+        run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
+                          remember_oom=False)
+    except FreshRunError as exc:
+        search.plan_seconds = time.perf_counter() - started
+        search.notes.append(f"the plans could not be made (the process {exc.how}): probes only")
+        return FROM_LOW
+    found: PlanSearch = run.values["found"]
+    search.plan_seconds = time.perf_counter() - started
+    if found.jit_compile is not True:
+        if auto:
+            search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
+                                "estimate, so the search probed only")
+            return FROM_LOW
+        search.notes.append("the model's step runs without XLA (jit_compile=False): the plans are of the same step "
+                            "under XLA, an estimate; the probes decide")
+    search.plans = found.plans
+    search.notes.extend(found.notes)
+    if found.batch is None:
+        return FROM_LOW
+    answer = found.batch
+    step = max(1, math.ceil(answer * search.resolution))
+
+    def probe(batch: int) -> bool:
+        progress.probing(len(search.probes) + 1, batch)
+        done = probe_one(batch)
+        progress.probed(len(search.probes), done)
+        return done.fits
+
+    if probe(answer):
+        if answer >= search.high:
+            return DONE
+        return UP if probe(min(search.high, answer + step)) else DONE  # trained too: the plans were low
+    # The plans were high (in a pool that grows, where its regions fall decides): a little below.
+    below = answer - 2 * step
+    return BETWEEN if below >= search.low and probe(below) else FROM_LOW

@@ -6,10 +6,11 @@
    process each: tfmem_widgets.plan() at three batches, then the same step run by Keras' own train
    function with the pool holding a free chunk it can split (a large tensor made and dropped first), its
    peak over in-use before. Prints plan, measured and the error of each plan.
+   The plan's own bytes are printed too: what stayed in the allocator and how far its peak rose.
 2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
    their ratio. Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical
-   device limit of 16000 MB.
+   device limit of 2000 MB, XLA's autotuner off for plans and probes alike.
 """
 
 from __future__ import annotations
@@ -63,9 +64,13 @@ model, sample, batches = {shape}()
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
 rows = []
 for batch in batches:
+    tf.config.experimental.reset_memory_stats(device)
+    held = tf.config.experimental.get_memory_info(device)["current"]
     started = time.perf_counter()
     planned = tfmem_widgets.plan(model, sample, batch)
     seconds = time.perf_counter() - started
+    after = tf.config.experimental.get_memory_info(device)
+    held, rose = after["current"] - held, after["peak"] - held
     with tf.device(device):
         x = tf.constant(np.resize(sample[0], (batch,) + sample[0].shape[1:])); y = tf.constant(np.resize(sample[1], (batch,)))
     model.make_train_function()
@@ -75,7 +80,7 @@ for batch in batches:
     model.train_function([(x, y)])
     measured = tf.config.experimental.get_memory_info(device)["peak"] - before
     rows.append(dict(batch=batch, plan=planned.step_bytes, measured=measured, worst=planned.worst_take_bytes,
-                     unattributed=planned.layers.unattributed_bytes, seconds=seconds))
+                     unattributed=planned.layers.unattributed_bytes, seconds=seconds, held=held, rose=rose))
 print("ROWS " + json.dumps(rows))
 '''
 
@@ -97,29 +102,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--skip-search", action="store_true")
+    parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args()
     setup = {"growth": True} if args.gpu else {"lab_mb": 1024}
     device = "GPU:0" if args.gpu else "CPU:0"
-    print("== plans against measured steps (jit_compile=True), " + ("GPU" if args.gpu else "lab mode 1024 MB"))
-    for shape in ("dense", "attention", "conv"):
+    import os
+
+    print("== plans against measured steps (jit_compile=True), " + ("GPU" if args.gpu else "lab mode 1024 MB")
+          + f"; XLA_FLAGS {os.environ.get('XLA_FLAGS') or 'unset'}")
+    for shape in () if args.skip_steps else ("dense", "attention", "conv"):
         run = run_fresh(STEPS.format(device=device, spare_mb=768, shape=shape), setup=setup, echo=False,
                         returns=["rows"])
         for row in run.values["rows"]:
             error = (row["measured"] - row["plan"]) / row["measured"]
             print(f"{shape:<10} batch {row['batch']:>5}: plan {row['plan']:>12,} B  measured {row['measured']:>12,} B  "
                   f"error {error:+.4%}  worst take {row['worst']:>12,} B  unattributed {row['unattributed']:,} B  "
-                  f"planned in {row['seconds']:.2f} s")
+                  f"planned in {row['seconds']:.2f} s; the plan held {row['held']:,} B, raised the peak {row['rose']:,} B")
     if args.skip_search:
         return
     namespace: dict = {}
     exec(SEARCH_MODEL, namespace)
-    search_setup = {"limit_mb": 16000} if args.gpu else {"lab_mb": 128}
+    search_setup = {"limit_mb": 2000} if args.gpu else {"lab_mb": 128}
+    # On a GPU, XLA's GEMM autotuner waits minutes on refused scratch past the edge: off, for plans and probes alike.
+    env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"} if args.gpu else None
     print("\n== what fits: the probe search and the plan search, one after the other, " + json.dumps(search_setup))
     found = {}
     for method in ("probe", "plan"):
         started = time.perf_counter()
         search = tfmem_widgets.max_batch_size(namespace["build_model"], namespace["make_batch"], setup=search_setup,
-                                              high=65536 if args.gpu else 16384, progress=False, method=method)
+                                              high=262144 if args.gpu else 16384, progress="lines", method=method,
+                                              env=env)
         found[method] = (search, time.perf_counter() - started)
         safe, failure = search.edge
         print(f"{method:<6} largest below every failure {safe:,}, smallest failure {failure:,}; "

@@ -473,7 +473,7 @@ def _environment_label(libraries: bool = False) -> dict:
     libraries were real (read in a fresh process, for recordings)."""
     import tensorflow as tf
 
-    from .. import nvml
+    from tfmem_widgets.tf import nvml
 
     gpu = nvml.read_gpus()[0]
     driver = nvml._nvml().nvmlSystemGetDriverVersion()

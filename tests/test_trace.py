@@ -273,4 +273,8 @@ def test_leaving_out_kernel_scratch_gives_the_same_figures_whatever_kernels_run(
     # as its output, which outlives the op and is no scratch.
     assert onednn["tensors"] == eigen["tensors"] and onednn["net"] == eigen["net"] == (128 * 512 + 512) * 2
     assert eigen["scratch"] >= 2048 * 128 * 4            # Eigen computes float16 through float32 scratch
-    assert eigen["allocator"] != onednn["allocator"]      # which the allocator's own peak includes
+    # which the allocator's own peak includes: where the two paths' scratch differs (oneDNN's own float16
+    # kernels, on a CPU that has the instructions for them) so do the peaks; where oneDNN falls back to
+    # Eigen's kernels (a 2-core Xeon here) both are the same.
+    assert (eigen["scratch"] != onednn["scratch"]) == (eigen["allocator"] != onednn["allocator"]), (eigen, onednn)
+    assert eigen["allocator"] >= eigen["tensors"] and onednn["allocator"] >= onednn["tensors"]

@@ -236,13 +236,14 @@ def test_numpy_integers_are_whole_numbers():
 
 
 def test_every_setup_option_is_one_keyword_of_setup_and_one_flag_of_the_magic():
+    import dataclasses
     import inspect
 
     from tfmem_widgets import setup
     from tfmem_widgets.tf.options import OPTION_NAMES, SETUP_ENV_VARS, SETUP_OPTIONS, SetupRequest
 
     assert tuple(inspect.signature(setup).parameters) == OPTION_NAMES
-    assert tuple(f.name for f in __import__("dataclasses").fields(SetupRequest)) == OPTION_NAMES
+    assert tuple(f.name for f in dataclasses.fields(SetupRequest)) == OPTION_NAMES
     flags = [o.flag for o in SETUP_OPTIONS] + [o.off_flag for o in SETUP_OPTIONS if o.off_flag]
     assert len(set(flags)) == len(flags) and len(set(SETUP_ENV_VARS)) == len(SETUP_ENV_VARS)
     # Every option of the table round-trips through its own flag text.

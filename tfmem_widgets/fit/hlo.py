@@ -108,32 +108,43 @@ class HloIndex:
 def live_at_peak(proto, temp: Allocation) -> tuple[int, dict[int, int]]:
     """(the most bytes live at once in the temporary allocation, {buffer id: bytes} live then), from
     the heap simulator's trace. Its allocation index predates XLA's combining of temporary
-    allocations, so the trace is matched by the buffers placed in `temp`; a buffer that shares
-    another's place (SHARE_WITH) is counted once."""
+    allocations, so the trace is matched by the buffers placed in `temp`; buffers that share a place
+    (SHARE_WITH) count once. One pass finds the moment, a second replays the trace up to it."""
     from tensorflow.compiler.xla.service import hlo_pb2
 
-    kinds = hlo_pb2.HeapSimulatorTrace.Event
-    placed = {}
-    for a in proto.buffer_assignment.buffer_allocations:
-        if a.index == temp.index:
-            placed = {x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
+    free = hlo_pb2.HeapSimulatorTrace.Event.FREE
+    placed = next(({x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
+                   for a in proto.buffer_assignment.buffer_allocations if a.index == temp.index), {})
     ours = set(temp.buffers)
-    live: dict[int, tuple[int, int]] = {}
-    best, best_live = -1, {}
-    for trace in proto.buffer_assignment.heap_simulator_traces:
-        if not any(e.buffer_id in ours for e in trace.events):
-            continue
-        for event in trace.events:
-            if event.buffer_id not in ours:
+    events = [e for trace in proto.buffer_assignment.heap_simulator_traces
+              if any(e.buffer_id in ours for e in trace.events) for e in trace.events if e.buffer_id in ours]
+
+    def replay(until: int | None = None):
+        """Run the events (all, or up to `until`): (the highest total and the event reaching it, the
+        buffers holding each place at the end)."""
+        holders: dict[tuple[int, int], list[int]] = {}
+        total, best, best_at = 0, -1, -1
+        for k, event in enumerate(events[:None if until is None else until + 1]):
+            place = placed.get(event.buffer_id, (0, 0))
+            if event.kind == free:
+                held = holders.get(place)
+                if held and event.buffer_id in held:
+                    held.remove(event.buffer_id)
+                    if not held:
+                        del holders[place]
+                        total -= place[1]
                 continue
-            if event.kind == kinds.FREE:
-                live.pop(event.buffer_id, None)
-                continue
-            live[event.buffer_id] = placed.get(event.buffer_id, (0, 0))
-            ranges: dict[tuple[int, int], int] = {}
-            for buffer, place in live.items():
-                ranges.setdefault(place, buffer)
-            total = sum(size for _, size in ranges)
+            if place not in holders:
+                holders[place] = []
+                total += place[1]
+            if event.buffer_id not in holders[place]:
+                holders[place].append(event.buffer_id)
             if total > best:
-                best, best_live = total, {buffer: size for (_, size), buffer in ranges.items()}
-    return max(best, 0), best_live
+                best, best_at = total, k
+        return best, best_at, holders
+
+    best, best_at, _ = replay()
+    if best_at < 0:
+        return 0, {}
+    _, _, holders = replay(best_at)
+    return best, {held[0]: place[1] for place, held in holders.items()}

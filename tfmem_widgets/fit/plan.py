@@ -118,13 +118,18 @@ class StepPlan(LinesText):
         out.append(f"  resident {format_bytes(self.resident_bytes)} ({parts or 'no variables'}), "
                    f"batch {format_bytes(self.batch_bytes)}, step {format_bytes(self.step_bytes)}")
         line = f"  peak {format_bytes(self.peak_bytes)}"
+        take = self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth else None
         if self.limit_bytes is not None:
             spare = self.limit_bytes - self.peak_bytes
-            line += (f" of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): "
-                     + ("fits" if self.fits() else "does not fit")
-                     + (f", {format_bytes(spare)} to spare" if spare >= 0 else f", {format_bytes(-spare)} short"))
+            line += f" of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): "
+            if spare < 0:
+                line += f"does not fit, {format_bytes(-spare)} short"
+            elif self.growth and take is None:
+                line += (f"does not fit although {format_bytes(spare)} is spare: the pool grows in regions that never "
+                         "merge, and in a fresh process's the step's largest allocation finds no room")
+            else:
+                line += f"fits, {format_bytes(spare)} to spare"
         out.append(line)
-        take = self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth else None
         out.append(f"  the allocator may hand out up to {format_bytes(self.worst_take_bytes)} for the step "
                    "(whole chunks under its no-split rule)"
                    + (f"; in a fresh process's growing pool {format_bytes(take)}" if take is not None else ""))
@@ -273,7 +278,6 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     """
     import keras
 
-    from ..oom.layers import LayerAnatomy
     from ..tf.allocator import allocator_of_device
     from ..tf.devices import resolve_device
     from ..tf.limits import allocator_growth, limit_of
@@ -310,21 +314,21 @@ def plan(model, sample, batch_size: int) -> StepPlan:
             rows.setdefault(key, {}).setdefault(phase, 0)
             rows[key][phase] += size
     step = sum(rounded(a.size) for a in per_run)
-    optimizer_vars = list(model.optimizer.variables) if model.optimizer is not None else []
-    parts = {"weights": sum(_nbytes(v.shape, v.dtype) for v in model.trainable_variables),
-             "non-trainable": sum(_nbytes(v.shape, v.dtype) for v in model.non_trainable_variables),
-             "optimizer": sum(_nbytes(v.shape, v.dtype) for v in optimizer_vars),
-             "metrics": sum(_nbytes(v.shape, v.dtype) for v in model.metrics_variables)}
+    # The model's state in the order fit makes it (weights, then the optimizer's slots), one size each:
+    # the resident figures and the pool a fresh process has made before the step.
+    state = {"weights": model.trainable_variables, "non-trainable": model.non_trainable_variables,
+             "optimizer": model.optimizer.variables, "metrics": model.metrics_variables}
+    sizes = {part: [_nbytes(v.shape, v.dtype) for v in variables] for part, variables in state.items()}
+    batch_sizes = tuple(_nbytes(s.shape, s.dtype) for s in flat_specs)
+    parts = {part: sum(each) for part, each in sizes.items()}
     name = resolve_device(device).name
     limit = limit_of(name)
     flags, autotuning = _xla_settings(name)
-    variables = [*model.variables, *optimizer_vars, *model.metrics_variables]
     return StepPlan(
         batch_size=batch_size, device=name, resident_bytes=sum(parts.values()), resident_parts=parts,
-        batch_bytes=sum(_nbytes(s.shape, s.dtype) for s in flat_specs), step_bytes=step,
+        batch_bytes=sum(batch_sizes), step_bytes=step,
         step_allocations=tuple(a.size for a in per_run), worst_take_bytes=sum(worst_take(a.size) for a in per_run),
         layers=LayerAnatomy(rows, step), jit_compile=model.jit_compile, xla_flags=flags,
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
-        resident_sizes=tuple(_nbytes(v.shape, v.dtype) for v in variables),
-        batch_sizes=tuple(_nbytes(s.shape, s.dtype) for s in flat_specs), built=built)
+        resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built)

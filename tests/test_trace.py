@@ -274,7 +274,10 @@ def test_leaving_out_kernel_scratch_gives_the_same_figures_whatever_kernels_run(
     assert onednn["tensors"] == eigen["tensors"] and onednn["net"] == eigen["net"] == (128 * 512 + 512) * 2
     assert eigen["scratch"] >= 2048 * 128 * 4            # Eigen computes float16 through float32 scratch
     # which the allocator's own peak includes: where the two paths' scratch differs (oneDNN's own float16
-    # kernels, on a CPU that has the instructions for them) so do the peaks; where oneDNN falls back to
-    # Eigen's kernels (a 2-core Xeon here) both are the same.
-    assert (eigen["scratch"] != onednn["scratch"]) == (eigen["allocator"] != onednn["allocator"]), (eigen, onednn)
+    # kernels, on a CPU that has the instructions for them) so do the peaks, by that difference; where oneDNN
+    # falls back to Eigen's kernels (a 2-core Xeon here) the peaks agree within one small chunk (seen: 256 B
+    # apart on one run, equal on another; the step's tensors and scratch were equal on both).
+    scratch_gap = abs(eigen["scratch"] - onednn["scratch"])
+    peak_gap = abs(eigen["allocator"] - onednn["allocator"])
+    assert abs(peak_gap - scratch_gap) <= 1024 or (scratch_gap > 1024 and peak_gap > 1024), (eigen, onednn)
     assert eigen["allocator"] >= eigen["tensors"] and onednn["allocator"] >= onednn["tensors"]

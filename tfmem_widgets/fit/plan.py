@@ -58,6 +58,7 @@ class StepPlan(LinesText):
     growth: bool = True  # the device's pool grows on demand
     resident_sizes: tuple[int, ...] = ()  # each variable's and each input's bytes, for the pool model
     batch_sizes: tuple[int, ...] = ()
+    weight_count: int = 0  # how many of resident_sizes are the model's weights (made before a fit's data)
     built: tuple[str, ...] = ()  # what plan() built the way fit would have (the optimizer's slots...)
     notes: tuple[str, ...] = field(default=())
 
@@ -80,27 +81,33 @@ class StepPlan(LinesText):
         gradients, optimizer update); the model's variables are resident_parts."""
         return self.layers
 
-    def take_in_fresh_pool(self, limit_bytes: int | None = None) -> int | None:
+    def take_in_fresh_pool(self, limit_bytes: int | None = None, held: tuple[int, ...] = ()) -> int | None:
         """What the allocator hands out for the step in a fresh process's pool that grows (lab mode,
-        growth on a GPU): the variables and the batch take their regions first, then the step's
-        allocations take the rest, whole regions where the no-split rule says so; None when a
-        request finds no room (the step does not fit there although its bytes might)."""
+        growth on a GPU): the weights, what the process holds besides (`held`: a fit's data, made
+        before the optimizer's slots), the rest of the variables and the batch take their regions
+        first, then the step's allocations take the rest, whole regions where the no-split rule says
+        so; None when a request finds no room (the step does not fit there although its bytes might)."""
         limit = self._limit(limit_bytes)
         pool = GrowingPool(limit)
-        for size in (*self.resident_sizes, *self.batch_sizes):
+        weights = self.resident_sizes[:self.weight_count]
+        for size in (*weights, *held, *self.resident_sizes[self.weight_count:], *self.batch_sizes):
             if pool.take(size) is None:
                 return None
         taken = [pool.take(size) for size in self.step_allocations]
         return None if None in taken else sum(taken)
 
-    def fits(self, limit_bytes: int | None = None) -> bool:
+    def fits(self, limit_bytes: int | None = None, held: tuple[int, ...] = (), regions: bool | None = None) -> bool:
         """Whether the step fits under `limit_bytes` (None: the device's limit when planned): its peak
-        within the limit, and, where the pool grows, each of its allocations finding room in the pool
-        a fresh process has made by then (regions never merge)."""
+        (with `held`, bytes the process holds besides) within the limit, and, where the pool grows,
+        each of its allocations finding room in the pool a fresh process has made by then (regions
+        never merge). regions=False judges the bytes alone: an estimate for a graph step, which asks
+        for each tensor apart where XLA asks for its temporaries as one buffer (None: as the step runs)."""
         limit = self._limit(limit_bytes)
-        if self.peak_bytes > limit:
+        if self.peak_bytes + sum(held) > limit:
             return False
-        return not self.growth or self.take_in_fresh_pool(limit) is not None
+        if regions is None:
+            regions = not self.estimate
+        return not (self.growth and regions) or self.take_in_fresh_pool(limit, held) is not None
 
     def _limit(self, limit_bytes: int | None) -> int:
         limit = self.limit_bytes if limit_bytes is None else limit_bytes
@@ -118,13 +125,14 @@ class StepPlan(LinesText):
         out.append(f"  resident {format_bytes(self.resident_bytes)} ({parts or 'no variables'}), "
                    f"batch {format_bytes(self.batch_bytes)}, step {format_bytes(self.step_bytes)}")
         line = f"  peak {format_bytes(self.peak_bytes)}"
-        take = self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth else None
+        take = (self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth and not self.estimate
+                else None)
         if self.limit_bytes is not None:
             spare = self.limit_bytes - self.peak_bytes
             line += f" of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): "
             if spare < 0:
                 line += f"does not fit, {format_bytes(-spare)} short"
-            elif self.growth and take is None:
+            elif self.growth and not self.estimate and take is None:
                 line += (f"does not fit although {format_bytes(spare)} is spare: the pool grows in regions that never "
                          "merge, and in a fresh process's the step's largest allocation finds no room")
             else:
@@ -331,4 +339,5 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         layers=LayerAnatomy(rows, step), jit_compile=model.jit_compile, xla_flags=flags,
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
-        resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built)
+        resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
+        weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]))

@@ -81,6 +81,56 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                       limit, first.limit_source if limit_bytes is None else "given", notes)
 
 
+def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
+                  max_plans: int = 10, seconds: float | None = None, held=lambda plan: (),
+                  regions: bool | None = None) -> PlanSearch:
+    """The largest batch below `above` (a plan at a batch that does not fit) whose plan fits
+    `limit_bytes`, to within `resolution`; the first aim is where the line through the model's
+    resident bytes (at batch 0) and `above`'s peak meets the limit. `seconds` bounds the search:
+    what is known by then is returned (each plan is a compile: about a second in lab mode, 10-30 s
+    on a GPU). held(plan): what the process holds besides the step at that plan's batch (a fit's data);
+    regions: as StepPlan.fits."""
+    started = time.perf_counter()
+    plans: dict[int, StepPlan] = {above.batch_size: above}
+    notes: list[str] = []
+
+    def fits(batch: int) -> bool:
+        if batch not in plans:
+            try:
+                plans[batch] = plan(model, sample, batch)
+            except SetupError as exc:
+                notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
+                return False
+        return plans[batch].fits(limit_bytes, held(plans[batch]), regions)
+
+    lo, hi = None, above.batch_size
+    if above.fits(limit_bytes, held(above), regions):
+        lo, hi = above.batch_size, None
+    while hi is not None and hi > 1 and len(plans) <= max_plans:
+        if seconds is not None and time.perf_counter() - started >= seconds:
+            notes.append(f"stopped after {seconds:.0f} s of plans")
+            break
+        if lo is None:
+            top = plans[hi]
+            per_row = (top.peak_bytes - top.resident_bytes) / top.batch_size
+            room = limit_bytes - top.resident_bytes - sum(held(top))
+            aim = int(room / per_row) if per_row > 0 else hi // 2
+            # Below hi by a little at first; by a quarter at least once the line has missed (the step's
+            # fixed bytes, the pool's regions make it aim high), so a batch that fits is found in few plans.
+            step = max(1, hi // 64 if hi == above.batch_size else hi // 4)
+            aim = max(1, min(aim, hi - step))
+        else:
+            if hi - lo <= max(1, math.ceil(lo * resolution)):
+                break
+            aim = _next_aim(plans, lo, hi, limit_bytes, hi)
+        if fits(aim):
+            lo = aim
+        else:
+            hi = aim
+    return PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), time.perf_counter() - started,
+                      above.jit_compile, limit_bytes, "given", notes)
+
+
 def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, high: int) -> int:
     """Where the line through the plans nearest the limit meets it, kept inside (lo, hi); the middle
     when the line lands on an end (a step that fits by its bytes can still miss room in a growing

@@ -16,8 +16,10 @@ from ..tf import dump_place
 from ..tf.allocator import has_text_dump, looks_like_oom_log
 from ..tf.limits import allocator_limit
 from ..tracing.allocator_map import AllocatorMap
+from .fit_context import FitContext
+from .layers import OPTIMIZER_STATE, PARAMETERS
 from .message import failed_request, is_oom, step_of
-from .report import OomReport
+from .report import OomReport, StepNeed
 
 _lock = threading.RLock()
 _last: OomReport | None = None
@@ -98,6 +100,39 @@ def explain_path(path: str | os.PathLike) -> OomReport:
 
 # Called with (prefix, dump path) when a report reads a dump: the OOM watcher keeps its folder to that one.
 on_report = None
+# Called with (FitContext, limit bytes) for a fit's OOM, returns its StepNeed: fit/need.py's step_need,
+# given by the package face (what fits is decided in fit/, which comes after this layer).
+planner = None
+
+
+def xla_request_need(fit: FitContext, report: OomReport) -> StepNeed | None:
+    """An XLA program's OOM in a fit: its request is the program's one buffer of temporaries, so in
+    use + the request is the step's peak at the fit's batch; the batch that fits is only scaled
+    from it (the bytes above the model's variables, to the limit), never planned in this process."""
+    if report.map is None or report.request_bytes is None:
+        return None
+    peak = report.map.in_use_bytes + report.request_bytes
+    resident = None
+    if report.anatomy is not None:
+        resident = sum(report.anatomy.phases(k).get(p, 0) for k in report.anatomy for p in (PARAMETERS, OPTIMIZER_STATE))
+    limit, about = report.limit_bytes, None
+    if limit is not None and resident is not None and peak > resident and limit > resident:
+        about = min(fit.batch_size, max(1, int(fit.batch_size * (limit - resident) / (peak - resident))))
+    return StepNeed(fit.batch_size, peak, resident, limit, about_batch=about, source="xla request")
+
+
+def with_need(report: OomReport, fit: FitContext | None) -> OomReport:
+    """The report of a fit's OOM with what the step needs (planned here, or from XLA's request)."""
+    if fit is None or report.map is None:
+        return report
+    if report.xla:
+        report.need = xla_request_need(fit, report)
+    elif planner is not None:
+        try:
+            report.need = planner(fit, report.limit_bytes)
+        except Exception as exc:  # the user's model: never fail the report
+            report.need = StepNeed(fit.batch_size, note=f"the step could not be planned ({type(exc).__name__})")
+    return report
 
 
 def explain_exception(exc: BaseException, new_since: set[str] | None = None,
@@ -135,6 +170,26 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
                             notes=notes, text=text, layers=layers)
 
 
+def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: FitContext | None) -> OomReport:
+    """An error that is not an OOM, raised after the allocator refused requests in the same cell
+    (measured on an H100: an XLA fit whose GEMM autotuner was refused scratch for two minutes ended in
+    'InternalError: Graph execution error'): the newest of the cell's dumps, said to be the cause."""
+    from dataclasses import replace
+
+    report = explain_exception(exc, new_since)
+    why = (f"TensorFlow raised {type(exc).__name__}, not an out-of-memory error, after its allocator refused "
+           f"{refused} request{'s' if refused != 1 else ''} in this cell (a dump each): the newest dump is its state "
+           "at the last refusal")
+    notes = [why]
+    jit = getattr(getattr(fit, "model", None), "jit_compile", None) is True
+    if fit is not None and jit:
+        notes.append(f"this fit's step is an XLA program at batch {fit.batch_size:,}: its compiler's GEMM autotuner "
+                     "asked for scratch that did not fit, so the step does not either; plan it in a new process "
+                     "(XLA_FLAGS=--xla_gpu_autotune_level=0 there plans without touching the card): "
+                     "max_batch_size(..., method='plan') or %%tfmem batch --plan gives the batch that fits")
+    return replace(report, notes=(*notes, *report.notes))
+
+
 def remember(report: OomReport) -> None:
     global _last
     with _lock:
@@ -146,14 +201,30 @@ def last_oom() -> OomReport | None:
     return _last
 
 
-def explain_oom(source) -> OomReport:
+def explain_oom(source, *, model=None, sample=None, batch_size: int | None = None) -> OomReport:
     """Explain an OOM: a ResourceExhaustedError caught in a script, the path of TensorFlow's
-    binary dump or of a log file, or a log's text pasted from a job."""
+    binary dump or of a log file, or a log's text pasted from a job.
+
+    model, sample, batch_size: the Keras fit an error of this process came from (its compiled model,
+    (x, y) of any leading size, its batch): the report then says what the step needs and the batch
+    that fits, from XLA's plans (a notebook's fit is read by the extension by itself)."""
+    fit = None
+    if model is not None or sample is not None or batch_size is not None:
+        if model is None or sample is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+                or batch_size < 1:
+            raise SetupError("explain_oom: model, sample and batch_size go together (the fit's compiled model, "
+                             f"(x, y) and its batch, a whole number of at least 1); got batch_size {batch_size!r}"
+                             + ("" if model is not None else ", no model") + ("" if sample is not None else ", no sample")
+                             + ".")
+        if not isinstance(source, BaseException):
+            raise SetupError("explain_oom: model, sample and batch_size apply to an error raised in this process, "
+                             f"not to {type(source).__name__}.")
+        fit = FitContext(model, batch_size, sample)
     if isinstance(source, BaseException):
         if not is_oom(source):
             raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
                              "ResourceExhaustedError, a dump file's path or a log's text.")
-        report = explain_exception(source)
+        report = with_need(explain_exception(source), fit)
         remember(report)
         return report
     if isinstance(source, bytes):

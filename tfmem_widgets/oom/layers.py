@@ -282,7 +282,7 @@ class OpReader:
 @dataclass
 class LayerAnatomy:
     """Bytes in use per key (a Keras layer's path, or a parenthesized key for what has no
-    layer) and phase. Iterates layers first, largest first, then the other keys."""
+    layer) and phase. Iterates the largest first, whatever the key."""
 
     rows: dict[str, dict[str, int]]
     total_bytes: int
@@ -293,9 +293,7 @@ class LayerAnatomy:
 
     def _order(self) -> list[str]:
         totals = self.totals()
-        layers = sorted((k for k in totals if not k.startswith("(")), key=lambda k: (-totals[k], k))
-        others = sorted((k for k in totals if k.startswith("(") and k != UNATTRIBUTED), key=lambda k: (-totals[k], k))
-        return layers + others + ([UNATTRIBUTED] if UNATTRIBUTED in totals else [])
+        return sorted(totals, key=lambda k: (-totals[k], k))
 
     def __iter__(self):
         return iter(self._order())

@@ -16,6 +16,7 @@ from ..tf.dump_place import dump_files
 
 REFUSAL_POLL_S = 1.0
 say_refusals = True  # off in a fresh process: its stderr is shown only when it ends, so a live notice says nothing
+# (the watch runs there too: it reads the fit a refusal came from)
 HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
 AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' default on a GPU): its compiler's "
                  "GEMM autotuner is trying kernels whose scratch memory does not fit, 10 s a refusal, for minutes; "
@@ -38,6 +39,7 @@ class _RefusalWatch(threading.Thread):
         self.first: str | None = None  # the first refusal's figures
         self.said_first = False
         self.main_thread = threading.get_ident()  # the cell's thread
+        self.fit = None  # the Keras fit the cell was in at its first refusal (oom/fit_context.py)
 
     def run(self) -> None:
         while not self.stop_event.wait(REFUSAL_POLL_S):
@@ -59,7 +61,11 @@ class _RefusalWatch(threading.Thread):
         waited = now - self.times[0]
         if self.first is None:
             self.first = _refusal_figures(new[-1])
-        if final:
+        if self.fit is None and not final:  # read while TensorFlow waits: once raised, Keras cuts its frames
+            from .fit_context import fit_context_of_thread
+
+            self.fit = fit_context_of_thread(self.main_thread)
+        if final or not say_refusals:
             return  # a refusal the cell got over (or raised on) is the report's, or nothing to say
         if waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
             # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes:
@@ -114,16 +120,17 @@ def start(prefix: str | None, existing: set[str]) -> None:
     """Watch `prefix` for refusals while a cell runs (the dumps in `existing` are old)."""
     global _refusals
     stop()
-    if prefix and say_refusals:
+    if prefix:
         _refusals = _RefusalWatch(prefix, existing)
         _refusals.start()
 
 
-def stop() -> int:
-    """End the cell's watch (its first refusal said now); the refusals it saw."""
+def stop() -> tuple[int, object]:
+    """End the cell's watch (its first refusal said now): the refusals it saw, and the Keras fit the
+    cell was in at the first (None: none seen)."""
     global _refusals
     watch, _refusals = _refusals, None
     if watch is None:
-        return 0
+        return 0, None
     watch.stop()
-    return watch.refusals
+    return watch.refusals, watch.fit

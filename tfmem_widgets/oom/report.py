@@ -33,6 +33,52 @@ CPU_STEP_NOTE = ("a compiled step on a CPU: its kernels' scratch buffers (sized 
                  "these differ between runs and CPUs; the request and the variables' bytes do not")
 
 
+@dataclass(frozen=True)
+class StepNeed:
+    """What the failing step needs and the batch that fits, in terms of the step (fit/need.py).
+
+    source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), or
+    'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
+    the step's peak; no plan was made in this process after it).
+    """
+
+    batch_size: int  # the fit's batch
+    peak_bytes: int | None = None  # the step's peak at that batch, from an empty device
+    resident_bytes: int | None = None  # the model's variables (weights, optimizer state)
+    limit_bytes: int | None = None
+    fits_batch: int | None = None  # the largest batch planned to fit at the limit in a fresh process
+    fails_batch: int | None = None  # the smallest planned not to, above it
+    about_batch: int | None = None  # 'xla request': the batch the peak's share above the variables scales to
+    plans: int = 0
+    seconds: float = 0.0
+    estimate: bool = False  # the fit runs a graph step: the plans are of the same step under XLA
+    source: str = "plan"
+    note: str = ""  # what stopped the plans early, or why there are none
+
+    def lines(self, limit_text: str) -> list[str]:
+        out = []
+        if self.peak_bytes is not None:
+            how = ("XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
+                   if self.estimate else "XLA's plan of this step" if self.source == "plan" else
+                   "in use + the XLA program's one buffer of temporaries")
+            parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
+            out.append(f"the step: at batch {self.batch_size:,} it needs {format_bytes(self.peak_bytes)} at its peak "
+                       f"({how}{parts}) against the {limit_text} limit")
+        if self.fits_batch is not None:
+            above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
+            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step's bytes, with the fit's "
+                       f"data and input pipeline, reach the limit ({self.plans} plans in {self.seconds:.1f} s{above}); "
+                       "where the pool's regions fall can take more: a probe confirms it (%%tfmem batch --plan)")
+        elif self.about_batch is not None:
+            out.append(f"what fits: about batch {self.about_batch:,} (the step's bytes above the variables scaled "
+                       "to the limit; not planned: plan it in a new process for the exact batch)")
+        elif self.source == "plan" and self.peak_bytes is not None and self.fails_batch is not None:
+            out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
+        if self.note:
+            out.append(self.note)
+        return out
+
+
 def _of_map(name: str) -> property:
     return property(lambda self: None if self.map is None else getattr(self.map, name))
 
@@ -61,6 +107,7 @@ class OomReport(LinesText):
     notes: tuple[str, ...] = field(default=())
     step: str | None = None  # the compiled function the OOM came from ("multi_step_on_iterator": Keras' train step)
     node: str | None = None  # its op that asked ("sequential_1/wider_1/BiasAdd")
+    need: StepNeed | None = None  # what the step needs and the batch that fits, where the fit was seen
 
     # -- figures -----------------------------------------------------------------------
     # Figures of the allocator's state at the failure (None without a dump).
@@ -154,36 +201,80 @@ class OomReport(LinesText):
         out = []
         if self.map is None or self.request_bytes is None:
             return out
-        need = self.map.in_use_bytes + self.request_bytes
+        need = self.need if self.need is not None and self.need.peak_bytes is not None else None
         if verdict == FRAGMENTATION:
-            out.append(f"if earlier work left these holes (an earlier fit or cell, tensors since freed), start from "
-                       f"an empty pool: in a new process {format_bytes(self.map.in_use_bytes)} in use "
-                       f"+ {format_bytes(self.request_bytes)} = {format_bytes(need)} fits the "
-                       f"{format_bytes(self.limit_bytes)} limit (the pool is never given back: restart the kernel "
-                       "and run the setup again, or run the cell with %%tfmem fresh)")
-            if self.step:
-                out.append(f"if this step made the holes itself, a new process makes them again: a smaller batch "
-                           f"shrinks the request ({format_bytes(self.request_bytes)}) toward the largest hole "
-                           f"({format_bytes(self.largest_free_bytes)}); gradient accumulation keeps the effective "
-                           "batch (workbook notebook 4)")
+            total = self.map.in_use_bytes + self.request_bytes
+            restart = ("(the pool is never given back: restart the kernel and run the setup again, or run the cell "
+                       "with %%tfmem fresh)")
+            if need is not None and need.fits_batch is not None and need.fits_batch >= need.batch_size:
+                out.append(f"start from an empty pool: the step's planned peak at batch {need.batch_size:,}, "
+                           f"{format_bytes(need.peak_bytes)}, is under the {format_bytes(self.limit_bytes)} limit "
+                           f"{restart}")
+            elif need is None:
+                out.append(f"if earlier work left these holes (an earlier fit or cell, tensors since freed), start "
+                           f"from an empty pool: in a new process {format_bytes(self.map.in_use_bytes)} in use "
+                           f"+ {format_bytes(self.request_bytes)} = {format_bytes(total)} fits the "
+                           f"{format_bytes(self.limit_bytes)} limit {restart}")
+                if self.step:
+                    out.append(f"if this step made the holes itself, a new process makes them again: a smaller batch "
+                               f"shrinks the request ({format_bytes(self.request_bytes)}) toward the largest hole "
+                               f"({format_bytes(self.largest_free_bytes)}); gradient accumulation keeps the effective "
+                               "batch (workbook notebook 4)")
             out.append("make the large, long-lived tensors first (model and optimizer before the data, buffers "
                        "reused instead of re-created): small chunks kept between them are what splits the pool")
             if self.allocator.startswith("GPU"):
                 out.append("TF_GPU_ALLOCATOR=cuda_malloc_async (before TensorFlow starts) lets CUDA's pool place "
                            "tensors instead of the BFC allocator")
         if verdict == LIMIT:
-            out.append(f"raise the limit to at least {_mib_up(need)} MiB (in use + request; the {self.capacity_source} "
-                       f"has {format_bytes(self.capacity_bytes)}): restart, then %tfmem setup with the new limit")
+            if need is not None:
+                out.append(f"raise the limit to at least {_mib_up(need.peak_bytes)} MiB (the step's peak at batch "
+                           f"{need.batch_size:,}; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
+                           "restart, then %tfmem setup with the new limit")
+            else:
+                out.append(f"raise the limit {'above' if self.step else 'to at least'} "
+                           f"{_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in use + this request; the "
+                           f"{self.capacity_source} has {format_bytes(self.capacity_bytes)}"
+                           + ("; the rest of the step needs more: plan it" if self.step else "")
+                           + "): restart, then %tfmem setup with the new limit")
         if verdict in (SHORTAGE, LIMIT):
-            short = need - (self.limit_bytes or self.map.pool_bytes)
-            top = None
-            if self.anatomy is not None and len(self.anatomy):
-                key = next(iter(self.anatomy))
-                top = f"; largest in use: {key} {format_bytes(self.anatomy[key])}"
-            out.append(f"use {format_bytes(short)} less at this step: a smaller batch (activations scale with it), "
-                       f"or mixed precision (keras.mixed_precision.set_global_policy('mixed_float16') halves "
-                       f"activations){top or ''}")
-            out.append("gradient accumulation keeps the effective batch with a smaller step (workbook notebook 4)")
+            out += self._smaller_step_fixes(need, verdict)
+        elif verdict == FRAGMENTATION and need is not None and (need.fits_batch or 0) < need.batch_size:
+            out = self._smaller_step_fixes(need, verdict) + out  # the step itself does not fit: first
+        return out
+
+    def _smaller_step_fixes(self, need: StepNeed | None, verdict: str) -> list[str]:
+        """A smaller step: in terms of the step where its need is known; where it is not, the request
+        said to be one tensor of the step, never 'use N less' as if it were the step's need."""
+        top = None
+        if self.anatomy is not None and len(self.anatomy):
+            key, size = self.anatomy.items()[0]
+            top = f"largest in use: {key} {format_bytes(size)}"
+        precision = ("mixed precision (keras.mixed_precision.set_global_policy('mixed_float16')) halves the "
+                     "activations")
+        out = []
+        if need is not None and need.fits_batch is not None:
+            out.append(f"a smaller batch: at most {need.fits_batch:,}, where the planned step reaches the "
+                       f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
+                       f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "
+                       "(workbook notebook 4)")
+        elif need is not None and need.about_batch is not None:
+            out.append(f"train at about batch {need.about_batch:,} or less (not planned: restart and plan it, "
+                       "tfmem_widgets.plan or %%tfmem batch --plan); gradient accumulation keeps the effective "
+                       f"batch of {need.batch_size:,} (workbook notebook 4)")
+        elif self.step or self.anatomy is not None and self.anatomy.layers:
+            out.append(f"the request ({format_bytes(self.request_bytes)}) is one tensor of the step, not what the "
+                       "step needs: tfmem_widgets.plan(model, (x, y), batch_size) (or %tfmem plan) tells its need, "
+                       "max_batch_size(..., method='plan') (or %%tfmem batch --plan) the batch that fits; a "
+                       "smaller batch shrinks the activations")
+        else:
+            short = self.map.in_use_bytes + self.request_bytes - (self.limit_bytes or self.map.pool_bytes)
+            if verdict != FRAGMENTATION:
+                out.append(f"free {format_bytes(short)} of what is in use, or ask for that much less: in use + this "
+                           "request is that much over")
+        if verdict != FRAGMENTATION:
+            out.append(precision + (f"; {top}" if top else ""))
+            if need is None or need.fits_batch is None:
+                out.append("gradient accumulation keeps the effective batch with a smaller step (workbook notebook 4)")
         return out
 
     def by_layer(self):
@@ -217,6 +308,8 @@ class OomReport(LinesText):
                    else f"; fragmentation {self.fragmentation:.4f}"))
         lines.append(f"  verdict: {self.verdict}")
         lines += [f"    {r}" for r in self.reasons()]
+        if self.need is not None:
+            lines += [f"  {n}" for n in self.need.lines(format_bytes(self.need.limit_bytes or self.limit_bytes))]
         picture = occupancy(self.map) if self.map is not None else ""
         if picture:
             lines.append(f"  pool [{picture}]  (* in use, _ free, | region)")
@@ -255,6 +348,9 @@ class OomReport(LinesText):
             parts.append(report_svg(self.map, self.request_bytes, self.largest_free_bytes))
         parts.append(f"<p><b style='color:{color}'>verdict: {escape(self.verdict)}</b><br>"
                      + "<br>".join(escape(r) for r in self.reasons()) + "</p>")
+        if self.need is not None:
+            parts.append("<p>" + "<br>".join(escape(n) for n in self.need.lines(
+                format_bytes(self.need.limit_bytes or self.limit_bytes))) + "</p>")
         fixes = self.fixes()
         if fixes:
             parts.append("<b>fixes</b><ul>" + "".join(f"<li>{escape(f)}</li>" for f in fixes) + "</ul>")

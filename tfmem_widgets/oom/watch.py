@@ -87,13 +87,20 @@ def cell_started() -> None:
 
 def cell_finished(error: BaseException | None) -> OomReport | None:
     """After a cell: the report of an OOM it raised (None for none, or one already explained or
-    shown by a trace); it becomes last_oom()."""
+    shown by a trace), or of another error raised after its allocator refused requests (an XLA
+    program's autotuner ends in an InternalError); it becomes last_oom(). A fit's OOM is told in
+    terms of its step (what it needs, the batch that fits)."""
     from ..tracing.profiler import TRACE_LOCK
 
-    refusals.stop()  # the cell's watch ends with it (its first refusal said now)
-    if not is_oom(error) or getattr(error, "_tfmem_explained", False) or TRACE_LOCK.locked():
+    refused, fit = refusals.stop()  # the cell's watch ends with it (its first refusal said now)
+    if error is None or getattr(error, "_tfmem_explained", False) or TRACE_LOCK.locked():
         return None  # a %%tfmem trace shows its own OOM map
-    report = explain.explain_exception(error, _cell_dumps)
+    if is_oom(error):
+        report = explain.with_need(explain.explain_exception(error, _cell_dumps), fit)
+    elif refused and isinstance(error, Exception):
+        report = explain.explain_refused(error, _cell_dumps, refused, fit)
+    else:
+        return None
     explain.remember(report)
     try:
         error._tfmem_explained = True

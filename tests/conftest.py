@@ -71,7 +71,7 @@ TIERS = {
     "test_trace_files.py": "process", "test_start_stop.py": "process", "test_widgets.py": "widget",
     "test_browser.py": "browser", "test_gpu.py": "gpu", "test_workbook.py": "notebook", "test_wheel.py": "process",
     "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
-    "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit",
+    "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

@@ -69,8 +69,14 @@ print(json.dumps(out))
 """
 
 
+# An OOM caught by the user's code, which raises its own error: not an OOM, after a refusal.
+WRAPPED = ("ts = [tf.zeros((k * 256 * 1024,)) for k in range(1, 7)]",
+           "try:\n    big = tf.zeros((12 << 20,))\nexcept tf.errors.ResourceExhaustedError:\n"
+           "    raise RuntimeError('the job could not load its data')")
+
+
 def _plain(name, tmp_path, user_dump=False):
-    prepare, request = PATTERNS[name]
+    prepare, request = WRAPPED if name == "wrapped" else PATTERNS[name]
     code = PLAIN.replace("PREPARE", repr(prepare)).replace("REQUEST", repr(request))
     env = {"WORK": str(tmp_path)}
     if user_dump:
@@ -83,6 +89,7 @@ def plain_cells(tmp_path_factory):
     procs = {name: _plain(name, tmp_path_factory.mktemp(name)) for name in PATTERNS}
     user = tmp_path_factory.mktemp("user")
     procs["user"] = _plain("alternate", user, user_dump=True)
+    procs["wrapped"] = _plain("wrapped", tmp_path_factory.mktemp("wrapped"))
     return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
 
 
@@ -117,6 +124,14 @@ def test_the_verdicts_follow_the_numbers(plain_cells):
     assert growing["verdict"] == "limit"  # short under a lab limit far below the host's memory
     assert growing["in_use"] + growing["request"] > growing["limit"]
     assert "the limit, not the hardware" in growing["shown"] and "raise the limit to at least" in growing["shown"]
+
+
+def test_an_error_raised_after_a_refusal_is_explained_from_the_cells_dump(plain_cells):
+    # (an XLA fit whose autotuner was refused for two minutes ended in an InternalError on an H100)
+    out = plain_cells["wrapped"]
+    assert out["raised"] == "RuntimeError"
+    assert "TensorFlow raised RuntimeError, not an out-of-memory error, after its allocator refused" in out["shown"]
+    assert out["ours"] == out["theirs"] and out["in_use"] == out["stats_in_use"]   # the cell's own dump, read
 
 
 def test_a_users_own_dump_place_is_theirs(plain_cells):

@@ -70,12 +70,14 @@ def test_fragmentation_with_a_step_that_fits_a_fresh_pool_says_start_from_an_emp
     assert report.fixes()[0].startswith("start from an empty pool: the step's planned peak at batch 512, 200.00 MiB")
 
 
-def test_an_xla_request_need_is_scaled_and_said_not_planned():
+def test_an_xla_request_need_is_the_least_the_step_needs_and_no_batch_is_guessed():
     need = StepNeed(16384, peak_bytes=96 * 1024 * MiB, resident_bytes=1024 * MiB, limit_bytes=80 * 1024 * MiB,
-                    about_batch=13_480, source="xla request")
-    text = repr(_report(_map([300, 19], [1]), 2, need=need))
-    assert "in use + the XLA program's one buffer of temporaries" in text
-    assert "about batch 13,480" in text and "not planned" in text
+                    source="xla request")
+    report = _report(_map([300, 19], [1]), 2, need=need)
+    text = repr(report)
+    assert "it needs at least 96.00 GiB at its peak (in use + the XLA program's one buffer of temporaries" in text
+    assert "what fits: plan the step in a new process" in text and "about" not in text
+    assert any("the XLA program's temporaries" in f or "plan" in f for f in report.fixes())
 
 
 def test_in_use_by_layer_lists_the_largest_first_and_the_fix_names_it():
@@ -103,3 +105,14 @@ def test_explain_oom_takes_the_fit_whole_or_not_at_all():
         assert "\n" not in str(refused.value) and "go together" in str(refused.value)
     with pytest.raises(SetupError, match="apply to an error raised in this process"):
         explain_oom("/no/such/dump", model=object(), sample=(1, 2), batch_size=8)
+
+
+def test_an_xla_programs_request_is_its_temporaries_and_the_fixes_say_so():
+    report = _report(_map([84], [32, 26]), 420)
+    report.xla = True
+    assert report.verdict == LIMIT
+    fixes = report.fixes()
+    assert fixes[0].startswith("raise the limit to at least 504 MiB (in use + the XLA program's temporaries")
+    assert any(f.startswith("the request (420.00 MiB) is the XLA program's temporaries, asked for as one buffer: "
+                            "the step needs at least in use + it, 504.00 MiB") for f in fixes)
+    assert not any("one tensor of the step" in f for f in fixes)

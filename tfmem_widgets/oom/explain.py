@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SetupError, TraceDataError
@@ -62,8 +63,23 @@ def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, x
                      dump_path, xla, anatomy, tuple(notes), step, node)
 
 
-def explain_text(text: str) -> OomReport:
-    """A log pasted from a job: TensorFlow's text dump and its OOM line."""
+def explain_text(text: str, each: bool = False):
+    """A log pasted from a job: each OOM in it (TensorFlow's refusal, its text dump and its OOM line)
+    explained against its own dump. The last OOM's report, or (each) all of them in order."""
+    from .logs import episodes
+
+    parts = episodes(text)
+    reports = [_explain_episode(part) for part in parts]
+    if len(reports) > 1:
+        said = (f"the log holds {len(reports)} OOMs, each explained against its own dump: this is the last; "
+                "explain_oom(log, each=True) gives them all")
+        reports = [replace(r, notes=(*r.notes, said if k == len(reports) - 1 else
+                                     f"OOM {k + 1} of the {len(reports)} in the log"))
+                   for k, r in enumerate(reports)]
+    return reports if each else reports[-1]
+
+
+def _explain_episode(text: str) -> OomReport:
     from ..tracing.dumps import parse_bfc_dump
 
     allocator, request, line, xla = failed_request(text)
@@ -76,26 +92,44 @@ def explain_text(text: str) -> OomReport:
                             text=text)
 
 
-def explain_path(path: str | os.PathLike) -> OomReport:
-    """A file: TensorFlow's binary MemoryDump, or a text log."""
+def explain_path(path: str | os.PathLike, each: bool = False):
+    """A file: TensorFlow's binary MemoryDump, or a text log (each OOM in it, as explain_text)."""
+    from ..tracing.dumps import load_memory_dump
+    from .logs import read_log
+
+    data = read_log(path)
+    if isinstance(data, str):
+        text = data
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    if text is not None and looks_like_oom_log(text):
+        return explain_text(text, each)
+    if text is not None and not text.strip():
+        raise SetupError(f"explain_oom: {os.fspath(path)} is empty; pass an error, a dump file's path or a log.")
+    dump = load_memory_dump(Path(path)) if len(data) == os.stat(path).st_size else _dump_of_bytes(data, path)
+    report = report_from_dump(dump, f"TensorFlow's dump of {dump.allocator}", dump.failed_request_bytes,
+                              dump_path=str(path),
+                              notes=("a dump alone does not say the failed request: pass the error or the log "
+                                     "for the verdict",))
+    return [report] if each else report
+
+
+def _dump_of_bytes(data: bytes, path) -> AllocatorMap:
+    """A binary dump read from a file that is not a regular one (its bytes already read)."""
+    import tempfile
+
     from ..tracing.dumps import load_memory_dump
 
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise TraceDataError(f"cannot read {path}: {exc.strerror or exc}.") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and looks_like_oom_log(text):
-        return explain_text(text)
-    dump = load_memory_dump(p)
-    return report_from_dump(dump, f"TensorFlow's dump of {dump.allocator}", dump.failed_request_bytes,
-                            dump_path=str(p),
-                            notes=("a dump alone does not say the failed request: pass the error or the log "
-                                   "for the verdict",))
+    with tempfile.TemporaryDirectory(prefix="tfmem-dump-") as folder:
+        copy = Path(folder) / "dump"
+        copy.write_bytes(data)
+        try:
+            return load_memory_dump(copy)
+        except TraceDataError as exc:
+            raise TraceDataError(str(exc).replace(str(copy), os.fspath(path))) from None
 
 
 # Called with (prefix, dump path) when a report reads a dump: the OOM watcher keeps its folder to that one.
@@ -107,18 +141,15 @@ planner = None
 
 def xla_request_need(fit: FitContext, report: OomReport) -> StepNeed | None:
     """An XLA program's OOM in a fit: its request is the program's one buffer of temporaries, so in
-    use + the request is the step's peak at the fit's batch; the batch that fits is only scaled
-    from it (the bytes above the model's variables, to the limit), never planned in this process."""
+    use + the request is the least the step needs at the fit's batch; nothing is planned in this
+    process after it."""
     if report.map is None or report.request_bytes is None:
         return None
-    peak = report.map.in_use_bytes + report.request_bytes
     resident = None
     if report.anatomy is not None:
         resident = sum(report.anatomy.phases(k).get(p, 0) for k in report.anatomy for p in (PARAMETERS, OPTIMIZER_STATE))
-    limit, about = report.limit_bytes, None
-    if limit is not None and resident is not None and peak > resident and limit > resident:
-        about = min(fit.batch_size, max(1, int(fit.batch_size * (limit - resident) / (peak - resident))))
-    return StepNeed(fit.batch_size, peak, resident, limit, about_batch=about, source="xla request")
+    return StepNeed(fit.batch_size, report.map.in_use_bytes + report.request_bytes, resident, report.limit_bytes,
+                    source="xla request")
 
 
 def with_need(report: OomReport, fit: FitContext | None) -> OomReport:
@@ -201,14 +232,18 @@ def last_oom() -> OomReport | None:
     return _last
 
 
-def explain_oom(source, *, model=None, sample=None, batch_size: int | None = None) -> OomReport:
+def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_size: int | None = None):
     """Explain an OOM: a ResourceExhaustedError caught in a script, the path of TensorFlow's
-    binary dump or of a log file, or a log's text pasted from a job.
+    binary dump or of a log file, or a log's text pasted from a job. A log with several OOMs is
+    explained OOM by OOM, each against its own dump: the last report, or (each=True) the list.
 
     model, sample, batch_size: the Keras fit an error of this process came from (its compiled model,
     (x, y) of any leading size, its batch): the report then says what the step needs and the batch
-    that fits, from XLA's plans (a notebook's fit is read by the extension by itself)."""
-    fit = None
+    that fits, from XLA's plans. Without them, an error of a fit in the running cell (with the
+    extension loaded) is told with the fit the cell was in when its allocator refused."""
+    from . import refusals
+
+    fit = refusals.current_fit() if isinstance(source, BaseException) else None
     if model is not None or sample is not None or batch_size is not None:
         if model is None or sample is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                 or batch_size < 1:
@@ -226,17 +261,17 @@ def explain_oom(source, *, model=None, sample=None, batch_size: int | None = Non
                              "ResourceExhaustedError, a dump file's path or a log's text.")
         report = with_need(explain_exception(source), fit)
         remember(report)
-        return report
+        return [report] if each else report
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        if isinstance(source, str) and ("\n" in text or looks_like_oom_log(text)):
-            return explain_text(text)
         if not text.strip():
             raise SetupError("explain_oom: got an empty text; pass an error, a dump file's path or a log's text.")
+        if isinstance(source, str) and ("\n" in text or looks_like_oom_log(text)):
+            return explain_text(text, each)
         if not Path(text).exists():
             raise SetupError(f"explain_oom: no file {text!r}, and it is not a log's text; pass an error, a dump "
                              "file's path or a log's text.")
-        return explain_path(text)
+        return explain_path(text, each)
     raise SetupError(f"explain_oom: got {type(source).__name__}; pass an error, a dump file's path or a log's text.")

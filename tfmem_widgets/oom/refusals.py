@@ -125,6 +125,12 @@ def start(prefix: str | None, existing: set[str]) -> None:
         _refusals.start()
 
 
+def current_fit():
+    """The Keras fit the running cell was in at its first refusal (None: no refusal, or no fit)."""
+    watch = _refusals
+    return None if watch is None else watch.fit
+
+
 def stop() -> tuple[int, object]:
     """End the cell's watch (its first refusal said now): the refusals it saw, and the Keras fit the
     cell was in at the first (None: none seen)."""

@@ -39,7 +39,9 @@ class StepNeed:
 
     source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), or
     'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
-    the step's peak; no plan was made in this process after it).
+    the least the step needs; no plan is made in its process after it, and no batch is guessed: a
+    scaled one was far off in lab mode, where the fit's data, regions and the step's fixed bytes
+    weigh).
     """
 
     batch_size: int  # the fit's batch
@@ -48,7 +50,6 @@ class StepNeed:
     limit_bytes: int | None = None
     fits_batch: int | None = None  # the largest batch planned to fit at the limit in a fresh process
     fails_batch: int | None = None  # the smallest planned not to, above it
-    about_batch: int | None = None  # 'xla request': the batch the peak's share above the variables scales to
     plans: int = 0
     seconds: float = 0.0
     estimate: bool = False  # the fit runs a graph step: the plans are of the same step under XLA
@@ -62,16 +63,17 @@ class StepNeed:
                    if self.estimate else "XLA's plan of this step" if self.source == "plan" else
                    "in use + the XLA program's one buffer of temporaries")
             parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
-            out.append(f"the step: at batch {self.batch_size:,} it needs {format_bytes(self.peak_bytes)} at its peak "
-                       f"({how}{parts}) against the {limit_text} limit")
+            least = "at least " if self.source == "xla request" else ""
+            out.append(f"the step: at batch {self.batch_size:,} it needs {least}{format_bytes(self.peak_bytes)} at its "
+                       f"peak ({how}{parts}) against the {limit_text} limit")
         if self.fits_batch is not None:
             above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
             out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step's bytes, with the fit's "
                        f"data and input pipeline, reach the limit ({self.plans} plans in {self.seconds:.1f} s{above}); "
                        "where the pool's regions fall can take more: a probe confirms it (%%tfmem batch --plan)")
-        elif self.about_batch is not None:
-            out.append(f"what fits: about batch {self.about_batch:,} (the step's bytes above the variables scaled "
-                       "to the limit; not planned: plan it in a new process for the exact batch)")
+        elif self.source == "xla request":
+            out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
+                       "the batch): after an XLA program's OOM this one is not planned")
         elif self.source == "plan" and self.peak_bytes is not None and self.fails_batch is not None:
             out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
         if self.note:
@@ -230,6 +232,10 @@ class OomReport(LinesText):
                 out.append(f"raise the limit to at least {_mib_up(need.peak_bytes)} MiB (the step's peak at batch "
                            f"{need.batch_size:,}; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
                            "restart, then %tfmem setup with the new limit")
+            elif self.xla:
+                out.append(f"raise the limit to at least {_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in "
+                           f"use + the XLA program's temporaries; the {self.capacity_source} has "
+                           f"{format_bytes(self.capacity_bytes)}): restart, then %tfmem setup with the new limit")
             else:
                 out.append(f"raise the limit {'above' if self.step else 'to at least'} "
                            f"{_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in use + this request; the "
@@ -257,10 +263,12 @@ class OomReport(LinesText):
                        f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
                        f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "
                        "(workbook notebook 4)")
-        elif need is not None and need.about_batch is not None:
-            out.append(f"train at about batch {need.about_batch:,} or less (not planned: restart and plan it, "
-                       "tfmem_widgets.plan or %%tfmem batch --plan); gradient accumulation keeps the effective "
-                       f"batch of {need.batch_size:,} (workbook notebook 4)")
+        elif self.xla:
+            out.append(f"the request ({format_bytes(self.request_bytes)}) is the XLA program's temporaries, asked for "
+                       f"as one buffer: the step needs at least in use + it, "
+                       f"{format_bytes(self.map.in_use_bytes + self.request_bytes)}, at this batch; a smaller batch "
+                       "shrinks it nearly in proportion; tfmem_widgets.plan(model, (x, y), batch_size) in a new process "
+                       "(or %%tfmem batch --plan) gives the batch that fits")
         elif self.step or self.anatomy is not None and self.anatomy.layers:
             out.append(f"the request ({format_bytes(self.request_bytes)}) is one tensor of the step, not what the "
                        "step needs: tfmem_widgets.plan(model, (x, y), batch_size) (or %tfmem plan) tells its need, "

@@ -160,7 +160,7 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
     cases = [
         (dict(build_model=raising_model, make_batch=make_batch), "build_model() raised ValueError: no such layer"),
         (dict(build_model=build_model, make_batch=short_batch, low=8),
-         "make_batch(8) returned 4 examples (x of shape (4, 512)); it must return exactly 8"),
+         "make_batch(8) returned x as a ndarray of shape (4, 512): 4 rows; x and y must hold exactly 8 rows each"),
         (dict(build_model=big_model, make_batch=make_batch), "the model alone does not fit"),
         (dict(build_model=wide_model, make_batch=make_batch), "a batch of 1 does not fit"),
         (dict(build_model=hanging_model, make_batch=make_batch, probe_timeout=20), "ran past 20 s and was stopped"),
@@ -172,6 +172,66 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
         assert words in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
         assert time.monotonic() - started < 120
         assert not _children()  # no probe process left behind
+
+
+def test_every_probe_failure_names_its_cause_in_one_line():
+    # (defined here: the probe's process gets the functions by value, as it gets a notebook's)
+    build_model, _ = _model_and_batches()
+
+    def _ragged(n):
+        import numpy as np
+        import tensorflow as tf
+
+        return tf.ragged.constant([[1.0] * (1 + k % 3) for k in range(n)]), np.ones((n, 1), "float32")
+
+
+    def _exits(n):
+        raise SystemExit(2)
+
+
+    def _interrupted(n):
+        raise KeyboardInterrupt
+
+
+    def _dies(n):
+        import os
+
+        os._exit(3)
+
+
+    def _more_labels(n):
+        import numpy as np
+
+        return np.ones((n, 512), "float32"), np.ones((2 * n, 1), "float32")
+
+
+    def _narrow(n):
+        import numpy as np
+
+        return np.ones((n, 128), "float32"), np.ones((n, 1), "float32")
+
+
+    def _lists(n):
+        return [[0.5] * 512 for _ in range(n)], [[1.0] for _ in range(n)]
+
+    cases = [
+        (_ragged, "the train step at batch 8 raised"),
+        (_exits, "make_batch(8) raised SystemExit: 2"),
+        (_interrupted, "make_batch(8) raised KeyboardInterrupt"),
+        (_dies, "its process ended with exit code 3; it wrote nothing"),
+        (_more_labels, "make_batch(8) returned y as a ndarray of shape (16, 1): 16 rows"),
+        (_narrow, "incompatible"),   # Keras' cause, not its 'Exception encountered when calling' line
+    ]
+    for make_batch, words in cases:
+        with pytest.raises(SetupError) as caught:
+            tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 64}, low=8, high=8,
+                                         progress=False, method="probe")
+        said = str(caught.value)
+        assert words in said and "\n" not in said and "output is above" not in said, said
+        assert not _children()
+    found = tfmem_widgets.max_batch_size(build_model, _lists, setup={"lab_mb": 64}, low=8, high=8, progress=False,
+                                         method="probe")
+    assert found.largest == 8 and found.probes[0].fits   # Python lists are a batch Keras takes
 
 
 def test_the_batch_magic_needs_both_functions_and_changes_no_name(shell):

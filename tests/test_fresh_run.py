@@ -191,3 +191,24 @@ found = [from_the_kernel.WHERE, from_env.WHERE, from_path.WHERE]
     run = run_fresh("import from_the_kernel, from_env\nfound = 2", env={"PYTHONPATH": str(added)},
                     returns=["found"], echo=False)
     assert run.values["found"] == 2
+
+
+def test_output_nobody_sees_is_kept_to_its_tail_and_a_death_names_its_last_words():
+    import tracemalloc
+
+    noisy = ("import sys\n"
+             "for _ in range(64):\n"
+             "    sys.stdout.write('x' * (1 << 20) + '\\n'); sys.stderr.write('e' * (1 << 20) + '\\n')\n"
+             "print('the last words', file=sys.stderr)\n"
+             "import os; sys.stdout.flush(); sys.stderr.flush(); os._exit(3)\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FreshRunError) as caught:
+            run_fresh(noisy, echo=False, timeout=120)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20                 # 128 MiB written, unseen: only a tail of each kept here
+    error = caught.value
+    assert error.how == "ended with exit code 3" and error.last_words == "the last words"
+    assert "it last wrote: the last words" in str(error) and "output is above" not in str(error)

@@ -25,11 +25,13 @@ class FreshRunError(RuntimeError):
     how: how the process ended, in words ('raised ValueError', 'was killed by SIGABRT (signal 6)');
     raised: the name of the exception the code raised there (None: it died or was stopped);
     timed_out: it ran past its timeout; oom: the report of an OOM it met (None: none);
-    oom_shown: that report was already shown by the process's own shell.
+    oom_shown: that report was already shown by the process's own shell; last_words: the last line
+    it wrote that says something.
     """
 
     def __init__(self, message: str, *, how: str = "", raised: str | None = None, timed_out: bool = False,
-                 oom=None, oom_shown: bool = False):
+                 oom=None, oom_shown: bool = False, last_words: str = ""):
         super().__init__(message)
         self.how, self.raised, self.timed_out = how, raised, timed_out
         self.oom, self.oom_shown = oom, oom_shown
+        self.last_words = last_words  # the last line it wrote that says something (its error)

@@ -55,6 +55,9 @@ class FreshRun:
         return f"FreshRun(exit {self.returncode}, returned {names})"
 
 
+QUIET_TAIL_CHARS = 1 << 20  # what is kept of the output of a process run with echo=False
+
+
 def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] = ()) -> dict[str, str]:
     """This process's environment without its setup variables, plus `env`: a fresh start.
 
@@ -220,7 +223,8 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
                 _kill_group(proc)
                 proc.wait()
                 proc.stdout.close()
-            stderr.seek(0)
+            size = stderr.seek(0, os.SEEK_END)
+            stderr.seek(0 if echo else max(0, size - QUIET_TAIL_CHARS))  # unseen: its tail
             raw_errors = stderr.read().decode(errors="replace")
             errors = without_native_logs(raw_errors.splitlines(keepends=True))
         if errors and echo:
@@ -247,13 +251,24 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
                 remember(oom)
                 why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
                         " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
-            raise FreshRunError(f"the fresh process {why}; its output is above.", how=how, raised=result.get("error"),
-                                timed_out=timed_out, oom=oom,
+            last = last_words(errors) or last_words(output)  # a traceback's last line is on stderr
+            said = ("its output is above" if echo else f"it last wrote: {last}" if last else "it wrote nothing")
+            raise FreshRunError(f"the fresh process {why}; {said}.", how=how, raised=result.get("error"),
+                                timed_out=timed_out, oom=oom, last_words=last,
                                 oom_shown="error" in result)  # the child's own shell showed its report
         values = {name: decode(name, work_dir) for name in result["values"]}
         return FreshRun(proc.returncode, output, values, errors)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def last_words(text: str) -> str:
+    """The last line a process wrote that says something (a traceback's last line: the error)."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and not line.startswith(("^", "~")):
+            return line[:300]
+    return ""
 
 
 def _signal_name(number: int) -> str:
@@ -333,6 +348,7 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     fd = proc.stdout.fileno()
     pieces: list[str] = []
+    kept = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     ended_at = None
     timed_out = False
@@ -361,6 +377,10 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
                 if echo:
                     sys.stdout.write(text)
                     sys.stdout.flush()
+                else:  # output nobody sees: only its tail is kept (the OOM line, the last words)
+                    kept += len(text)
+                    while kept > QUIET_TAIL_CHARS and len(pieces) > 1:
+                        kept -= len(pieces.pop(0))
     finally:
         selector.close()
     tail = decoder.decode(b"", final=True)

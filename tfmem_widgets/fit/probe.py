@@ -50,15 +50,32 @@ probe = run_probe({path!r}, {batch}, {steps})
 """
 
 
-def _examples(data) -> tuple[int | None, str]:
-    """How many examples a batch (x, y) or x holds, and x's shape for a message."""
-    x = data[0] if isinstance(data, (tuple, list)) and data else data
-    if isinstance(x, Mapping):
-        x = next(iter(x.values()), None)
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) == 0:
-        return None, f"a {type(x).__name__}"
-    return int(shape[0]), f"x of shape {tuple(int(d) for d in shape)}"
+def _rows(part) -> tuple[int | None, str]:
+    """How many rows one part of a batch (x or y) holds, and what it is for a message: an array or
+    tensor (ragged too) by its leading axis, a Python list by its length, a dict by its first value."""
+    if isinstance(part, Mapping):
+        part = next(iter(part.values()), None)
+    if isinstance(part, (list, tuple)):
+        return len(part), f"a {type(part).__name__} of {len(part)}"
+    shape = getattr(part, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] is None:
+        return None, f"a {type(part).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    return int(shape[0]), f"a {type(part).__name__} of shape {tuple(None if d is None else int(d) for d in shape)}"
+
+
+def _check_batch(data, batch: int) -> str | None:
+    """What is wrong with make_batch's result, in words (None: a batch of `batch` rows)."""
+    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+        return f"make_batch({batch}) returned a {type(data).__name__}; it must return (x, y)"
+    for name, part in zip(("x", "y", "sample_weight"), data):
+        if part is None and name != "x":
+            continue
+        count, what = _rows(part)
+        if count != batch:
+            return (f"make_batch({batch}) returned {name} as {what}: "
+                    + (f"{count} rows" if count is not None else "no rows it can count")
+                    + f"; x and y must hold exactly {batch} rows each")
+    return None
 
 
 def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
@@ -74,35 +91,38 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
 
     try:
         model = build_model()
-    except Exception as exc:
-        if is_oom(exc):  # the model alone does not fit
+    except BaseException as exc:
+        if isinstance(exc, Exception) and is_oom(exc):  # the model alone does not fit
             report = explain_exception(exc, layers=False)
             return Probe(batch, None, 0.0, report.verdict, report.request_bytes, stage="build",
                          limit_bytes=report.limit_bytes, limit_source=report.limit_source)
-        return ProbeRefused(f"build_model() raised {type(exc).__name__}: {first_line(exc)}")
+        return ProbeRefused(f"build_model() raised {type(exc).__name__}"
+                            + (f": {cause_line(exc)}" if cause_line(exc) else ""))
     if not hasattr(model, "train_on_batch"):
         return ProbeRefused(f"build_model() returned a {type(model).__name__}, not a compiled Keras model")
     try:
         data = make_batch(batch)
-    except Exception as exc:
-        return ProbeRefused(f"make_batch({batch}) raised {type(exc).__name__}: {first_line(exc)}")
-    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-        return ProbeRefused(f"make_batch({batch}) returned a {type(data).__name__}; it must return (x, y)")
-    count, shape = _examples(data)
-    if count != batch:
-        return ProbeRefused(f"make_batch({batch}) returned {count if count is not None else 'no'} examples ({shape}); "
-                            f"it must return exactly {batch}")
-    started = time.perf_counter()
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt too: said, not a silent death
+        return ProbeRefused(f"make_batch({batch}) raised {type(exc).__name__}"
+                            + (f": {cause_line(exc)}" if cause_line(exc) else ""))
+    wrong = _check_batch(data, batch)
+    if wrong:
+        return ProbeRefused(wrong)
     try:
         # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
         # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
         # a 16000 MB limit, fit at the same batch ran out of memory).
         steps_data = tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
+    except Exception as exc:
+        return ProbeRefused(f"make_batch({batch}) returned what a tf.data.Dataset cannot hold "
+                            f"({type(exc).__name__}: {cause_line(exc)}); return arrays or tensors")
+    started = time.perf_counter()
+    try:
         with measure() as m:
             model.fit(steps_data, epochs=1, verbose=0)
     except Exception as exc:
         if not is_oom(exc):
-            return ProbeRefused(f"the train step at batch {batch} raised {type(exc).__name__}: {first_line(exc)}")
+            return ProbeRefused(f"the train step at batch {batch} raised {type(exc).__name__}: {cause_line(exc)}")
         report = explain_exception(exc, layers=False)  # the verdict and request; no layers, nothing kept
         del exc
         found = allocator_limit(report.allocator)
@@ -115,6 +135,21 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
 
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+# Keras' error frames: lines that name the call, not the cause.
+_FRAME_LINES = ("Exception encountered when calling", "Arguments received by", "•", "File ", "Traceback",
+                "Call arguments received")
+
+
+def cause_line(exc: BaseException) -> str:
+    """The line of an error that says its cause: Keras wraps it in lines that name the call
+    ('Exception encountered when calling Sequential.call().'); the first other line, else the first."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith(_FRAME_LINES):
+            return line[:300]
+    return lines[0][:300] if lines else ""
 
 
 
@@ -139,7 +174,8 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
         if exc.timed_out:
             raise SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
                              "with every process it started; raise probe_timeout or lower high.") from None
-        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: {exc}") from None
+        said = f"; it last wrote: {exc.last_words}" if exc.last_words else "; it wrote nothing"
+        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: its process {exc.how}{said}.") from None
     value = run.values["probe"]
     if isinstance(value, ProbeRefused):
         raise SetupError(f"max_batch_size: {value.message}.")

@@ -245,3 +245,71 @@ def test_workers_figures_are_gathered_with_the_strategys_collective_and_imbalanc
     assert len(warning) == 1 and warning[0].index("worker1/CPU:0") < warning[0].index("worker0/CPU:0")
     assert chief["said"].count("tfmem warning: the replicas' peaks differ") == 1
     assert other["said"] == ""  # only the chief speaks
+
+
+PLAIN_CPU = """
+import json, io, contextlib
+import keras, numpy as np
+from tfmem_widgets.fit.callback import MemoryCallback
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+x = np.ones((256, 32), "float32"); y = np.ones((256, 1), "float32")
+said = io.StringIO()
+callback = MemoryCallback()
+with contextlib.redirect_stderr(said):
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[callback])
+    model.evaluate(x, y, verbose=0, callbacks=[callback])
+print(json.dumps({"keys": sorted(k for k in history.history if k.startswith("tfmem")), "epochs": callback.epochs,
+                  "runs": callback.runs, "said": said.getvalue(), "text": repr(callback)}))
+"""
+
+
+def test_on_a_plain_cpu_it_records_nothing_and_says_why_once():
+    out = finish_fresh(start_fresh(PLAIN_CPU))           # no lab mode: TensorFlow's default CPU allocator
+    assert out["keys"] == [] and out["epochs"] == [] and out["runs"] == []   # no 0 B figures
+    assert out["said"].count("keeps no statistics") == 1 and "--lab" in out["said"]
+    assert out["text"].startswith("tfmem memory callback: nothing recorded: TensorFlow's default CPU allocator")
+
+
+EVALUATE_AND_RAISE = """
+import json
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+import keras, numpy as np, tensorflow as tf
+from tfmem_widgets.fit.callback import MemoryCallback, close_open_epochs
+from tfmem_widgets.readings.measure import running_measurements
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=False)
+x = np.ones((512, 64), "float32"); y = np.ones((512, 1), "float32")
+callback = MemoryCallback()
+model.fit(x, y, batch_size=64, epochs=1, verbose=0, validation_data=(x, y), callbacks=[callback])
+model.evaluate(x, y, batch_size=64, verbose=0, callbacks=[callback])
+model.predict(x, batch_size=64, verbose=0, callbacks=[callback])
+
+class Fails(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("the user's own callback failed")
+
+try:
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[callback, Fails()])
+except RuntimeError:
+    pass
+left_open = len(running_measurements())
+closed = close_open_epochs()
+named = MemoryCallback(device="CPU:1")
+with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+    other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8)])
+    other.compile("sgd", "mse")
+other.fit(x, x[:, :8], batch_size=64, epochs=1, verbose=0, callbacks=[named])
+print(json.dumps({"runs": [r["kind"] for r in callback.runs], "peaks": [r["tfmem_peak_bytes"] for r in callback.runs],
+                  "epochs": len(callback.epochs), "left_open": left_open, "closed": closed,
+                  "after": len(running_measurements()), "named_notes": named.notes}))
+"""
+
+
+def test_evaluate_and_predict_are_recorded_and_a_fit_that_raises_leaves_nothing_open():
+    out = finish_fresh(start_fresh(EVALUATE_AND_RAISE))
+    assert out["runs"] == ["evaluate", "predict"]        # the fit's validation stays inside its epoch
+    assert all(p > 0 for p in out["peaks"]) and out["epochs"] == 1
+    assert out["left_open"] == 1 and out["closed"] == 1 and out["after"] == 0
+    assert any("CPU:1 shares one allocator with every logical CPU" in n for n in out["named_notes"])

@@ -22,6 +22,7 @@ one allocator, so their figures are one allocator's, and no imbalance can be tol
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import keras
@@ -38,6 +39,23 @@ MIN_RISE = 1 << 20  # each by at least this much (Keras leaves a few hundred byt
 NEAR_LIMIT = 0.05
 IMBALANCE = 0.10  # replicas' peaks this far apart (of the highest), and at least MIN_RISE
 _TYPES = ("CPU", "GPU")  # device types as numbers, for the gathered tensor
+NO_STATISTICS = ("TensorFlow's default CPU allocator keeps no statistics (its figures read 0 B): nothing is recorded "
+                 "for the CPU; %tfmem setup --lab N (tfmem_widgets.setup(lab_mb=N)) before TensorFlow starts makes "
+                 "it TensorFlow's BFC allocator, which keeps them")
+_open_callbacks: weakref.WeakSet = weakref.WeakSet()  # callbacks with an epoch's blocks open
+
+
+def close_open_epochs() -> int:
+    """Close the epoch blocks a fit left open when it raised (Keras calls no callback then): the
+    notebook layer calls this after a cell that raised. Returns how many callbacks had one."""
+    closed = 0
+    for callback in list(_open_callbacks):
+        if callback._epoch is not None:
+            callback._close(callback._epoch)
+            callback._epoch = None
+            closed += 1
+        _open_callbacks.discard(callback)
+    return closed
 
 
 @dataclass(frozen=True)
@@ -79,12 +97,21 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         self._strategy = None  # set for a fit whose replicas span several workers
         self._epoch: dict[str, measure] | None = None  # the open blocks, one per allocator
         self._said: set[str] = set()
+        self._off = False  # the device keeps no statistics: nothing is recorded
+        self.runs: list[dict] = []  # evaluate() and predict() outside a fit: one record each
+        self._run: tuple[str, dict[str, measure]] | None = None
 
     # -- which devices ---------------------------------------------------------------------
     def _replicas(self) -> None:
         """This fit's replica devices, from the model's strategy (unless a device was named)."""
         self._local, self._strategy, self.chief = [(self.device, self.device)], None, True
         strategy = getattr(self.model, "distribute_strategy", None) if self.model is not None else None
+        if self._asked is not None and self.device.startswith("CPU"):
+            from ..tf.devices import logical_cpu_count
+
+            if logical_cpu_count() > 1:
+                self._note(f"{self.device} shares one allocator with every logical CPU (logical CPUs do): its "
+                           f"figures are that allocator's, not {self.device}'s own; on GPUs each device has its own")
         if self._asked is not None or strategy is None or strategy.num_replicas_in_sync < 2:
             return
         import tensorflow as tf
@@ -103,7 +130,14 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
             self._note(f"{' and '.join(cpus)} share one allocator (logical CPUs do): their figures are that "
                        "allocator's, not each replica's own; on GPUs each replica has its own")
 
+    def _statistics_missing(self) -> bool:
+        """A device read keeps no figures: the CPU outside lab mode (TensorFlow's default allocator)."""
+        from ..tf.lab import lab_limit_bytes
+
+        return any(device.startswith("CPU") for _, device in self._local) and lab_limit_bytes() is None
+
     def _open(self) -> dict[str, measure]:
+        _open_callbacks.add(self)
         blocks = {}
         for _, device in self._local:
             key = allocator_of_device(device)
@@ -120,10 +154,51 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
 
     # -- Keras' hooks ----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        self._close(self._epoch)  # an earlier fit that raised left its epoch open
+        self._epoch = None
         self._replicas()
+        self._off = self._statistics_missing()
+        if self._off:
+            self._say("no-statistics", NO_STATISTICS)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = self._open()
+        if not self._off:
+            self._epoch = self._open()
+
+    # evaluate() and predict() on their own (a fit's validation is inside its epoch's blocks)
+    def _run_begin(self, kind: str) -> None:
+        if self._epoch is not None:
+            return
+        self._close(self._run[1] if self._run else None)
+        self._replicas()
+        if self._statistics_missing():
+            self._say("no-statistics", NO_STATISTICS)
+            self._run = None
+            return
+        self._run = (kind, self._open())
+
+    def _run_end(self) -> None:
+        if self._run is None:
+            return
+        (kind, blocks), self._run = self._run, None
+        self._close(blocks)
+        rows = self._rows(blocks)
+        self.runs.append({"kind": kind, PEAK_KEY: max(r.peak_bytes for r in rows),
+                          IN_USE_KEY: max(r.in_use_bytes for r in rows)})
+        for r in rows:
+            self._check(r.peak_bytes, r.limit_bytes, r.limit_source, r.label)
+
+    def on_test_begin(self, logs=None):
+        self._run_begin("evaluate")
+
+    def on_test_end(self, logs=None):
+        self._run_end()
+
+    def on_predict_begin(self, logs=None):
+        self._run_begin("predict")
+
+    def on_predict_end(self, logs=None):
+        self._run_end()
 
     def on_train_batch_end(self, batch, logs=None):
         """Two allocator calls per device: the figures since the last reset (the previous batch's
@@ -291,7 +366,9 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
 
     # -- text and picture ------------------------------------------------------------------
     def lines(self) -> list[str]:
-        if not self.epochs:
+        if not self.epochs and not self.runs:
+            if self._off:
+                return [f"tfmem memory callback: nothing recorded: {NO_STATISTICS}"]
             return ["tfmem memory callback: no epoch yet"]
         out = [f"tfmem memory per epoch ({len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}, "
                f"{self.device if len(self._local) < 2 and self._strategy is None else 'every replica'}):"]
@@ -300,6 +377,8 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
             if "replicas" in e:
                 line += "; " + ", ".join(f"{r.label} {format_bytes(r.peak_bytes)}" for r in e["replicas"])
             out.append(line)
+        out += [f"  {r['kind']}: peak {format_bytes(r[PEAK_KEY])}, in use after {format_bytes(r[IN_USE_KEY])}"
+                for r in self.runs]
         out += [f"  warning: {w}" for w in self.warnings]
         out += [f"  note: {n}" for n in self.notes]
         return out

@@ -23,9 +23,16 @@ def before_cell(info=None) -> None:
 
 def explain_cell_oom(result=None) -> None:
     """post_run_cell: an OOM the cell raised is explained in its output."""
+    import sys
+
     from ..oom.watch import cell_finished
 
-    report = cell_finished(getattr(result, "error_in_exec", None))
+    error = getattr(result, "error_in_exec", None)
+    if error is not None and "keras" in sys.modules:  # no fit ran where Keras was never imported
+        from ..fit.callback import close_open_epochs
+
+        close_open_epochs()  # a fit that raised calls no callback: its epoch's blocks end here
+    report = cell_finished(error)
     if report is not None:
         from IPython.display import display
 

@@ -295,14 +295,17 @@ cell("%load_ext tfmem_widgets")
 cell("%tfmem setup --lab 64")
 cell("f = tf.function(lambda a: a, jit_compile=True)")
 cell("g = tf.function(lambda a: a, jit_compile=True)")
-print(json.dumps({"err": said.getvalue()}))
+print(json.dumps({"err": said.getvalue(), "shown": shown.getvalue()}))
 """
 
 
 def test_lab_mode_hazards_are_said_before_the_cell_runs_once_each():
-    out = finish_fresh(start_fresh(HAZARDS))["err"]
+    done = finish_fresh(start_fresh(HAZARDS))
+    out = done["err"]
     assert out.count("aborts the whole process") == 1 and "%%tfmem fresh" in out
     assert out.count("segmentation fault") == 1
+    # and at the setup itself, when it can still be acted on: TensorFlow was imported first
+    assert "oneDNN's kernels stay on: TensorFlow was imported before this setup" in done["shown"]
 
 
 def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell):
@@ -403,3 +406,76 @@ def test_a_compiled_steps_oom_names_its_step_and_node_and_on_a_cpu_says_what_var
     gpu = report_from_dump(AllocatorMap("GPU_0_bfc", (), (), "dump"), "OOM ...", 1 << 20, text=text)
     eager = report_from_dump(empty, "OOM ...", 1 << 20, text="OOM when allocating tensor ... [Op:Fill]")
     assert CPU_STEP_NOTE not in repr(gpu) and CPU_STEP_NOTE not in repr(eager) and eager.step is None
+
+
+HOSTILE = SHELL + """
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 64")
+cell("import tensorflow as tf, threading, tfmem_widgets")
+import tfmem_widgets
+out = {}
+# an OOM in a thread the user started
+cell('''
+def work():
+    kept = [tf.zeros((4 << 20,)) for _ in range(3)]
+    tf.zeros((6 << 20,))
+t = threading.Thread(target=work, name="loader"); t.start(); t.join()
+''')
+r = tfmem_widgets.last_oom()
+out["thread"] = {"said": said.getvalue(), "request": r and r.request_bytes, "verdict": r and r.verdict}
+# two OOMs in different states (the first's request fits the second's largest hole), then the
+# first explained after the second: its own dump, not the newer one's
+cell('''
+errors = []
+for count, size in ((3, 5 << 20), (1, 13 << 20)):
+    kept = [tf.zeros((4 << 20,)) for _ in range(count)]
+    try:
+        tf.zeros((size,))
+    except tf.errors.ResourceExhaustedError as e:
+        errors.append(e)
+    del kept
+''')
+e1, e2 = ip.user_ns["errors"]
+r2, r1 = tfmem_widgets.explain_oom(e2), tfmem_widgets.explain_oom(e1)
+out["again"] = {"r1": [r1.request_bytes, r1.verdict, r1.dump_path], "r2": [r2.request_bytes, r2.verdict, r2.dump_path]}
+# TensorFlow cannot write where TF_BFC_MEMORY_DUMP points
+os.environ["TF_BFC_MEMORY_DUMP"] = "/nonexistent/dir/x"
+shown.truncate(0); shown.seek(0)
+cell("kept = [tf.zeros((4 << 20,)) for _ in range(3)]\\nbig = tf.zeros((7 << 20,))")
+out["unwritable"] = {"notes": list(tfmem_widgets.last_oom().notes), "shown": shown.getvalue()}
+print(json.dumps(out))
+"""
+
+
+def test_an_oom_in_a_thread_the_same_oom_again_and_an_unwritable_dump_place_are_each_told_right():
+    out = finish_fresh(start_fresh(HOSTILE))
+    thread = out["thread"]
+    assert "tfmem: an OOM in thread 'loader', explained" in thread["said"] and "verdict:" in thread["said"]
+    assert thread["request"] == 24 << 20 and thread["verdict"] in ("shortage", "limit")
+    r1, r2 = out["again"]["r1"], out["again"]["r2"]
+    assert r1[0] == 20 << 20 and r2[0] == 52 << 20
+    assert r1[1] != "not explained by the dump" and r1[2] != r2[2]      # each error read its own dump
+    notes = " ".join(out["unwritable"]["notes"])
+    assert "TF_BFC_MEMORY_DUMP=/nonexistent/dir/x points into /nonexistent/dir" in notes
+    assert "was not set" not in notes and "another allocator" not in notes
+
+
+FRESH_OOM = """
+import json, contextlib, io, tfmem_widgets
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown):
+    try:
+        tfmem_widgets.run_fresh("import tensorflow as tf\\nkept = tf.zeros((4 << 20,))\\nbig = tf.zeros((12 << 20,))",
+                                setup={"lab_mb": 48})
+    except tfmem_widgets.FreshRunError:
+        pass
+r = tfmem_widgets.last_oom()
+print(json.dumps({"shown": shown.getvalue(), "dump_path": r.dump_path}))
+"""
+
+
+def test_a_fresh_processs_report_says_its_dump_goes_with_the_process():
+    out = finish_fresh(start_fresh(FRESH_OOM))
+    line = next(text for text in out["shown"].splitlines() if "TensorFlow's dump:" in text)
+    assert line.endswith("(in the fresh process's folder, removed when it ends)")
+    assert out["dump_path"] is None                   # the report that came back points nowhere gone

@@ -72,6 +72,9 @@ out["a_largest_free"] = final.largest_free_bytes
 out["a_free"] = final.free_bytes
 out["a_ops_known"] = all(c.op for c in final.chunks if c.in_use and c.size > 256)
 out["a_log"] = a.log
+out["a_last_oom_is_the_traces"] = tfmem_widgets.last_oom() is a.oom_report() is not None
+out["a_verdict"] = a.oom_report().verdict
+out["a_text"] = repr(a)
 out["a_dump_chunks"] = chunks(dump)
 
 # (b) after earlier work outside any trace
@@ -169,6 +172,14 @@ def test_traced_after_earlier_work_chunks_match_and_earlier_memory_is_exact(outc
 def real_log(outcomes):
     """TensorFlow's own log of the 'alternate' OOM, captured from fd 2 by the trace."""
     return outcomes["alternate"]["a_log"], [tuple(c) for c in outcomes["alternate"]["a_dump_chunks"]]
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_a_traced_oom_is_an_oom_its_verdict_and_fixes_shown_and_kept_as_last_oom(outcomes, pattern):
+    out = outcomes[pattern]
+    assert out["a_last_oom_is_the_traces"]
+    assert out["a_verdict"] == "fragmentation"            # every pattern leaves holes, none big enough
+    assert "  verdict: fragmentation" in out["a_text"] and "  fixes:" in out["a_text"]
 
 
 def test_a_pasted_log_parses_to_the_dumps_chunks(real_log):

@@ -8,6 +8,9 @@ an OOM it raised is explained under its traceback, and every widget that shows r
 
 from __future__ import annotations
 
+import sys
+import threading
+
 from .hooks import after_cell, run_unload_hooks
 
 
@@ -42,6 +45,32 @@ def explain_cell_oom(result=None) -> None:
 _HOOKS = (("post_run_cell", after_cell), ("pre_run_cell", before_cell), ("post_run_cell", explain_cell_oom))
 
 
+def explain_thread_oom(args) -> None:
+    """threading.excepthook while the extension is loaded: an OOM raised in a thread the user
+    started is explained (its report said on stderr, where the thread's traceback goes, and kept
+    as last_oom()); then the hook that was there runs (the traceback)."""
+    from ..oom import explain
+    from ..oom.message import is_oom
+
+    error = args.exc_value
+    if isinstance(error, Exception) and is_oom(error) and not getattr(error, "_tfmem_explained", False):
+        try:
+            report = explain.explain_exception(error)
+            explain.remember(report)
+            explain.keep_dump_of(error, report)
+            error._tfmem_explained = True
+            name = getattr(args.thread, "name", "a thread")
+            print(f"tfmem: an OOM in thread {name!r}, explained (tfmem_widgets.last_oom()):\n{report!r}",
+                  file=sys.stderr, flush=True)
+        except Exception as failure:  # the hook must never hide the thread's own error
+            print(f"tfmem: the OOM in a thread could not be explained ({type(failure).__name__}); "
+                  "tfmem_widgets.explain_oom(error) explains it", file=sys.stderr, flush=True)
+    (_previous_thread_hook or threading.__excepthook__)(args)
+
+
+_previous_thread_hook = None
+
+
 def load(ipython) -> None:
     """Register %tfmem / %%tfmem, the OOM watcher (TensorFlow's dump at every OOM, into a folder of
     the extension's own) and the cell hooks; the shell's namespace is where Keras objects are
@@ -59,6 +88,9 @@ def load(ipython) -> None:
     for event, hook in _HOOKS:
         if hook not in ipython.events.callbacks[event]:
             ipython.events.register(event, hook)
+    global _previous_thread_hook
+    if threading.excepthook is not explain_thread_oom:
+        _previous_thread_hook, threading.excepthook = threading.excepthook, explain_thread_oom
 
 
 def unload(ipython) -> None:
@@ -74,6 +106,10 @@ def unload(ipython) -> None:
     for event, hook in _HOOKS:
         if hook in ipython.events.callbacks[event]:
             ipython.events.unregister(event, hook)
+    global _previous_thread_hook
+    if threading.excepthook is explain_thread_oom:
+        threading.excepthook = _previous_thread_hook or threading.__excepthook__
+    _previous_thread_hook = None
     unwatch_oom()
     layers.namespace_provider = None
     progress.default_progress = None

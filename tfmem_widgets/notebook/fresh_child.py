@@ -16,6 +16,11 @@ def main(work: str) -> int:
     the named values written back; the exit code."""
     work_dir = Path(work)
     job = read_job(work_dir)
+    from ..tf import dump_place
+
+    prefix = dump_place.current_prefix()
+    if prefix and Path(prefix).parent == work_dir:  # the call's own folder: its dumps go with it
+        dump_place.claim(prefix, dump_place.FRESH_CALL)
 
     if job["setup"] is not None:
         from ..tf.device_setup import setup

@@ -172,7 +172,6 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
     (among files not in new_since), read with this process's limits and (with `layers`) its
     recorder's ops and Keras variables. It is not kept as last_oom() (remember() keeps it)."""
     from ..errors import TraceDataError
-    from ..tracing.dumps import load_memory_dump
 
     text = str(exc)
     allocator, request, line, xla = failed_request(text)
@@ -185,13 +184,12 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
     if not candidates:
         why = ("TF_BFC_MEMORY_DUMP was not set when it failed: %load_ext tfmem_widgets (or "
                "tfmem_widgets.watch_oom()) before the run makes TensorFlow write one"
-               if not prefix else "TensorFlow wrote no allocator dump for it (an allocator other than BFC, "
-               "or the failure was not the allocator's)")
+               if not prefix else (dump_place.unwritable(prefix) or "TensorFlow wrote no allocator dump for it "
+               "(an allocator other than BFC, or the failure was not the allocator's)"))
         return OomReport(allocator or "unknown", line, request, None, xla=xla, notes=(why, *notes), step=step,
                          node=node)
-    path = candidates[-1]
     try:
-        dump = load_memory_dump(path)
+        path, dump = _own_dump(exc, candidates, request)
     except TraceDataError as error:
         return OomReport(allocator or "unknown", line, request, None, xla=xla,
                          notes=(f"TensorFlow's dump could not be read: {error}", *notes), step=step, node=node)
@@ -219,6 +217,32 @@ def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: 
                      "(XLA_FLAGS=--xla_gpu_autotune_level=0 there plans without touching the card): "
                      "max_batch_size(..., method='plan') or %%tfmem batch --plan gives the batch that fits")
     return replace(report, notes=(*notes, *report.notes))
+
+
+def _own_dump(exc: BaseException, candidates: list[str], request: int | None):
+    """The dump written at this error's own refusal: the one its report was read from before (kept
+    on the error), else the newest whose state the request does not fit (a newer OOM's dump is of
+    another moment), else the newest. (path, AllocatorMap)."""
+    from ..tracing.dumps import load_memory_dump
+
+    known = getattr(exc, "_tfmem_dump", None)
+    if known in candidates:
+        return known, load_memory_dump(known)
+    newest = None
+    for path in reversed(candidates[-8:]):  # a user's folder may hold many: the newest few
+        dump = load_memory_dump(path)
+        newest = newest or (path, dump)
+        if request is None or request > dump.largest_free_bytes:
+            return path, dump
+    return newest
+
+
+def keep_dump_of(exc: BaseException, report: OomReport) -> None:
+    """Note on the error which dump its report read, so that explaining it again reads the same."""
+    try:
+        exc._tfmem_dump = report.dump_path
+    except AttributeError:
+        pass
 
 
 def remember(report: OomReport) -> None:
@@ -260,6 +284,7 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
             raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
                              "ResourceExhaustedError, a dump file's path or a log's text.")
         report = with_need(explain_exception(source), fit)
+        keep_dump_of(source, report)
         remember(report)
         return [report] if each else report
     if isinstance(source, bytes):

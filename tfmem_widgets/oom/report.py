@@ -11,6 +11,7 @@ from html import escape
 
 from ..errors import TraceDataError
 from ..text import LinesText
+from ..tf.dump_place import removed_with_its_call
 from ..tf.limits import CAPPED_SOURCES
 from ..tracing.allocator_map import AllocatorMap
 from ..units import MiB, format_bytes
@@ -330,7 +331,8 @@ class OomReport(LinesText):
             lines += ["  " + line for line in self.anatomy.lines(top=8)]
             lines += [f"    note: {n}" for n in self.anatomy.notes]
         if self.dump_path:
-            lines.append(f"  TensorFlow's dump: {self.dump_path}")
+            gone = " (in the fresh process's folder, removed when it ends)" if removed_with_its_call(self.dump_path) else ""
+            lines.append(f"  TensorFlow's dump: {self.dump_path}{gone}")
         lines += [f"  note: {n}" for n in self._all_notes()]
         return lines
 

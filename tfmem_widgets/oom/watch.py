@@ -62,14 +62,23 @@ def unwatch_oom() -> None:
             shutil.rmtree(_folder, ignore_errors=True)
         dump_place.release(_prefix)
         _folder = _prefix = None
+        _reported.clear()
+
+
+KEEP_REPORTED = 4  # the dumps of the last reports the package's folder keeps (an error explained again reads its own)
+_reported: list[str] = []
 
 
 def _tidy_own_folder(prefix: str | None, keep: str | None) -> None:
-    """The package's folder keeps only the dump the last report points to."""
+    """The package's folder keeps only the dumps the last KEEP_REPORTED reports point to."""
     if _folder is None or prefix != _prefix:
         return
+    if keep in _reported:
+        _reported.remove(keep)
+    _reported.append(keep)
+    del _reported[:-KEEP_REPORTED]
     for path in dump_place.dump_files(_prefix):
-        if path != keep:
+        if path not in _reported:
             try:
                 os.remove(path)
             except OSError:
@@ -102,6 +111,7 @@ def cell_finished(error: BaseException | None) -> OomReport | None:
     else:
         return None
     explain.remember(report)
+    explain.keep_dump_of(error, report)
     try:
         error._tfmem_explained = True
     except AttributeError:

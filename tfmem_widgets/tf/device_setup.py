@@ -12,7 +12,7 @@ from .devices import logical_cpu_count, physical_gpus
 from .limits import host_total_bytes
 from .nvml import driver_view
 from .options import OPTION_NAMES, SetupRequest
-from .runtime import ONEDNN_ENV, runtime_started, setup_env, setup_env_changed, tensorflow
+from .runtime import ONEDNN_ENV, onednn_enabled, runtime_started, setup_env, setup_env_changed, tensorflow
 from .setup_rules import DeviceState, SetupPlan, Step, plan_setup
 
 
@@ -193,7 +193,15 @@ def setup(
         raise
     if onednn_off:
         plan = replace(plan, notes=(*plan.notes, ONEDNN_OFF_NOTE))
+    elif request.lab_mb is not None and "tensorflow" in sys.modules and onednn_enabled():
+        plan = replace(plan, notes=(*plan.notes, ONEDNN_ON_NOTE))
     return SetupResult(plan)
+
+
+ONEDNN_ON_NOTE = ("oneDNN's kernels stay on: TensorFlow was imported before this setup and read "
+                  "TF_ENABLE_ONEDNN_OPTS then; in lab mode an OOM inside a oneDNN fused kernel (a Dense layer in a "
+                  "tf.function or a Keras fit) kills the process with nothing said; restart and run the setup "
+                  "before importing TensorFlow (or %tfmem record), or run such cells with %%tfmem fresh")
 
 
 ONEDNN_OFF_NOTE = ("oneDNN's kernels off (TF_ENABLE_ONEDNN_OPTS=0, set before TensorFlow's import): in lab mode an "

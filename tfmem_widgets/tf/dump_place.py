@@ -37,6 +37,16 @@ def owned(prefix: str | None) -> bool:
         return prefix is not None and prefix in _owners
 
 
+FRESH_CALL = "a fresh process's call"  # its folder, and the dumps in it, are removed when the call ends
+
+
+def removed_with_its_call(path: str | None) -> bool:
+    """Whether a dump lies in a fresh process's folder, removed when that call ends."""
+    with _lock:
+        return bool(path) and any(owner == FRESH_CALL and os.path.dirname(path) == os.path.dirname(prefix)
+                                  for prefix, owner in _owners.items())
+
+
 def current_prefix() -> str | None:
     """Where dumps land now: a place of this package's or the user's own; None when unset."""
     return os.environ.get(DUMP_ENV) or None
@@ -66,3 +76,22 @@ def dump_files(prefix: str | None, allocator: str | None = None) -> list[str]:
 def dump_of_allocator(path: str, prefix: str, allocator: str) -> bool:
     """Whether a dump file at `prefix` is of `allocator`."""
     return os.path.basename(path).startswith(f"{os.path.basename(prefix)}_{allocator}.")
+
+
+def unwritable(prefix: str) -> str | None:
+    """Why TensorFlow cannot write its dumps at `prefix`, in words (None: it can). Tried the way
+    TensorFlow writes them: a file next to where its dumps would go, removed at once."""
+    folder = os.path.dirname(prefix) or "."
+    if not os.path.isdir(folder):
+        return f"TF_BFC_MEMORY_DUMP={prefix} points into {folder}, which is not a folder that exists"
+    trial = f"{prefix}_tfmem-write-check.{os.getpid()}"
+    try:
+        with open(trial, "wb"):
+            pass
+    except OSError as exc:
+        return f"TF_BFC_MEMORY_DUMP={prefix}: no file can be written there ({exc.strerror or exc})"
+    try:
+        os.remove(trial)
+    except OSError:
+        pass
+    return None

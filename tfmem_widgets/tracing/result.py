@@ -40,6 +40,7 @@ class Trace:
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
         self.oom = oom
+        self._oom_report = None
         self.dumps = dumps or {}
         self.text_dump = text_dump
         self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
@@ -285,11 +286,39 @@ class Trace:
             lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
             if self.oom.allocator in self._events or self._dump_of(self.oom.allocator) is not None:
                 lines.append(repr(self.map(allocator=self.oom.allocator)))
+            report = self.oom_report()
+            if report is not None and report.map is not None:
+                lines.append(f"  verdict: {report.verdict}")
+                lines += [f"    {r}" for r in report.reasons()]
+                fixes = report.fixes()
+                if fixes:
+                    lines.append("  fixes:")
+                    lines += [f"    - {f}" for f in fixes]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
+
+    def oom_report(self):
+        """The OOM of the traced block explained (an OomReport: verdict, fixes, layers), from the
+        trace's map at the failure, each chunk named by its op; None without an OOM. It is the
+        process's last_oom() too."""
+        if self.oom is None:
+            return None
+        if getattr(self, "_oom_report", None) is None:
+            from ..oom.explain import report_from_dump
+            from ..oom.report import OomReport
+
+            name = self.oom.allocator
+            if name in self._events or self._dump_of(name) is not None:
+                self._oom_report = report_from_dump(self.map(allocator=name), self.oom.message,
+                                                    self.oom.request_bytes, live=getattr(self, "made_here", False),
+                                                    text=self.log)
+            else:
+                self._oom_report = OomReport(name, self.oom.message, self.oom.request_bytes, None,
+                                             notes=("the trace holds neither events nor a dump of this allocator",))
+        return self._oom_report
 
     # -- export --------------------------------------------------------------------------
 

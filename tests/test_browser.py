@@ -184,6 +184,19 @@ def test_panels_in_each_frontend(jupyterlab, frontend):
             # The setup panel: a limit for lab mode after the runtime has started is refused.
             panel = page.locator(".tfmem-setup-panel").first
             panel.wait_for(timeout=120_000)
+            # Every label whole (none cut to an ellipsis by the frontend's width), and a disabled
+            # control shows no made-up figure (no GPU here: the GPU limit slider has no card to size by).
+            cut = panel.evaluate("""el => [...el.querySelectorAll('*')].filter(e => e.textContent.trim()
+                && e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1
+                && ['ellipsis', 'clip'].includes(getComputedStyle(e).textOverflow)
+                && getComputedStyle(e).overflowX !== 'visible').map(e => e.textContent.trim())""")
+            assert cut == [], cut
+            readouts = panel.evaluate("""el => [...el.querySelectorAll('.widget-slider')].filter(
+                sl => sl.querySelector('.noUi-target[disabled], .noUi-target[disabled=""]')
+                || sl.classList.contains('mod-disabled') || sl.querySelector('input:disabled'))
+                .map(sl => [...sl.querySelectorAll('.widget-readout')].filter(r => r.offsetParent !== null)
+                .map(r => r.textContent.trim())).flat()""")
+            assert readouts == [], readouts
             # A click on the lab limit's track (the last slider; the GPU limit's is off here) moves it:
             # a keyboard press would go to the frontend's own shortcuts in Notebook 7.
             track = panel.locator(".noUi-target").last

@@ -256,6 +256,21 @@ def test_the_panel_reads_what_fits_at_the_chosen_limit_and_the_limit_a_batch_nee
     assert "batch of 8,000 needs" in repr(panel)
 
 
+def test_a_search_whose_peaks_fall_is_told_so_not_called_fewer_than_two(lab_session):
+    from tfmem_widgets.fit.search import BatchSearch, Probe
+
+    # small batches, measured in lab mode: the larger one peaked lower (the pool's regions)
+    probes = [Probe(2, 6 * MiB, 4.0), Probe(32, 5 * MiB, 4.0), Probe(64, None, 14.0, verdict="limit")]
+    search = BatchSearch(probes, low=1, high=64, steps=2, margin=0.05, resolution=0.02, limit_bytes=8 * MiB,
+                         limit_source="lab mode", lab=True, where="lab mode 8 MB")
+    panel = SetupPanel(search=search)
+    assert "do not rise with the batch (2 at 6.00 MiB, 32 at 5.00 MiB)" in panel.fits.value
+    assert "fewer than two" not in panel.fits.value
+    one = BatchSearch(probes[:1], low=1, high=2, steps=2, margin=0.05, resolution=0.02, limit_bytes=8 * MiB,
+                      limit_source="lab mode", lab=True, where="lab mode 8 MB")
+    assert one.no_line_reason().startswith("The search has fewer than two batches that trained")
+
+
 def test_a_gpu_panel_reads_its_limit_slider_and_says_when_a_search_ran_in_lab_mode():
     panel = SetupPanel(state=_gpu_state(), search=_search(lab=False))
     panel.limit.value = 96

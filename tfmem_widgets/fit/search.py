@@ -157,6 +157,18 @@ class BatchSearch(LinesText):
             return None
         return mean_p - slope * mean_b, slope
 
+    def no_line_reason(self) -> str | None:
+        """Why no line can be read through the peaks (None: one can)."""
+        if self.peak_model() is not None:
+            return None
+        trained = sorted({p.batch: p.peak_bytes for p in self.fitted}.items())
+        if len(trained) < 2:
+            return "The search has fewer than two batches that trained: no line to read other limits from."
+        shown = ", ".join(f"{b:,} at {format_bytes(peak)}" for b, peak in trained[:4])
+        return (f"The peaks of the batches that trained do not rise with the batch ({shown}): at such small "
+                "batches the pool's regions and the kernels' scratch rule the peak, not the batch, so no line can be "
+                "read to other limits; search from a larger batch (low) for one.")
+
     def needs_bytes(self, batch: int) -> int | None:
         """The peak the line predicts for `batch` (None without a line)."""
         model = self.peak_model()

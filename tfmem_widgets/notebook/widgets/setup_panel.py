@@ -49,11 +49,17 @@ class SetupPanel(FullTextForm, w.VBox):
             value=tuple(g.index for g in gpus if g.visible), description="GPUs", disabled=no_gpu, style=style)
         self.growth = w.ToggleButtons(options=[_AS_IS, "growth", "preallocate"], value=_AS_IS,
                                       description="memory growth", disabled=no_gpu, style=style)
-        self.force_growth = w.Checkbox(description="force growth (TF_FORCE_GPU_ALLOW_GROWTH)", disabled=no_gpu,
-                                       indent=False)
-        self.use_limit = w.Checkbox(description="memory limit per GPU", disabled=no_gpu or not totals, indent=False)
+        # Short labels, whole (a label cut by the frontend's width says nothing); the detail in a tooltip.
+        whole = w.Layout(width="auto")
+        self.force_growth = w.Checkbox(description="force growth", disabled=no_gpu, indent=False, layout=whole,
+                                       tooltip="TF_FORCE_GPU_ALLOW_GROWTH=true: every GPU grows its pool on "
+                                               "demand, whatever the code asks")
+        self.use_limit = w.Checkbox(description="limit per GPU", disabled=no_gpu or not totals, indent=False,
+                                    layout=whole, tooltip="a memory limit on each visible GPU (a logical device)")
+        no_limit = no_gpu or not totals  # no card to size it by: no number shown, not a made-up one
         self.limit = w.IntSlider(value=min(4096, self._limit_max), min=1, max=self._limit_max,
-                                 description="limit (MB)", disabled=no_gpu or not totals, style=style,
+                                 description="limit (MB)" if not no_limit else "limit (MB): no GPU",
+                                 disabled=no_limit, readout=not no_limit, style=style,
                                  layout=w.Layout(width="480px"), continuous_update=False)
         self.split = w.Text(value="", placeholder="2  or  2048,2048", description="logical devices",
                             disabled=no_gpu, style=style)
@@ -61,8 +67,9 @@ class SetupPanel(FullTextForm, w.VBox):
                                     description="allocator", disabled=no_gpu, style=style)
         host_mb = self.state.host_total_bytes // MiB
         lab_now = lab_limit_bytes(self.state.env)
-        self.lab = w.Checkbox(description="lab mode (the CPU allocator becomes TensorFlow's BFC)",
-                              value=no_gpu or lab_now is not None, indent=False)
+        self.lab = w.Checkbox(description="lab mode", value=no_gpu or lab_now is not None, indent=False,
+                              layout=whole, tooltip="the CPU's allocator becomes TensorFlow's BFC allocator, with "
+                                                    "the limit beside: real OOMs and fragmentation without a GPU")
         self.lab_mb = w.IntSlider(value=min(lab_now // MiB if lab_now else DEFAULT_LAB_MB, host_mb), min=16,
                                   max=host_mb, step=16,
                                   description="lab limit (MB)", style=style, layout=w.Layout(width="480px"),
@@ -173,7 +180,7 @@ class SetupPanel(FullTextForm, w.VBox):
         lines = []
         kind = "lab limit" if self._reads_lab() else "GPU limit"
         if model is None:
-            lines.append("The search has fewer than two batches that trained: no line to read other limits from.")
+            lines.append(search.no_line_reason())
         else:
             batch = search.batch_for(limit)
             how = ("measured: the largest below every failure" if limit == search.limit_bytes else

@@ -479,3 +479,47 @@ def test_a_fresh_processs_report_says_its_dump_goes_with_the_process():
     line = next(text for text in out["shown"].splitlines() if "TensorFlow's dump:" in text)
     assert line.endswith("(in the fresh process's folder, removed when it ends)")
     assert out["dump_path"] is None                   # the report that came back points nowhere gone
+
+
+USERS_PROFILER = """
+import json, logging, io, os, tempfile
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256)
+import keras, numpy as np, tensorflow as tf
+out = {}
+recorder = tfmem_widgets.record()
+logdir = tempfile.mkdtemp()
+for name, call in (("start", lambda: tf.profiler.experimental.start(logdir)), ("stop", tf.profiler.experimental.stop)):
+    try:
+        call()
+        out[name] = "ran"
+    except tf.errors.OpError as e:
+        out[name] = [type(e).__name__, e.message]
+# Keras' TensorBoard callback profiles batches with the same start: it logs TensorFlow's error
+caught = io.StringIO()
+handler = logging.StreamHandler(caught)
+logging.getLogger().addHandler(handler)
+import absl.logging
+absl.logging.get_absl_logger().addHandler(handler)
+# (the callback's own method, as its profile_batch calls it: its scalars need the tensorboard package)
+board = keras.callbacks.TensorBoard(log_dir=tempfile.mkdtemp(), profile_batch=(2, 3))
+board._start_profiler(logdir=tempfile.mkdtemp())
+out["board_started"] = board._profiler_started
+out["tensorboard"] = caught.getvalue()
+out["recorder_windows_lost"] = [n for n in recorder.notes if "lost" in n]
+recorder.stop()
+tf.profiler.experimental.start(logdir)      # the user's own, once the recorder is stopped
+tf.profiler.experimental.stop()
+out["after"] = sorted(os.listdir(os.path.join(logdir, "plugins", "profile")))
+print(json.dumps(out))
+"""
+
+
+def test_the_users_own_profiler_while_recording_is_refused_in_one_line_and_cuts_nothing_short():
+    out = finish_fresh(start_fresh(USERS_PROFILER))
+    assert out["start"][0] == "AlreadyExistsError" and "%tfmem record stop" in out["start"][1]
+    assert out["stop"][0] == "UnavailableError" and "no profiler session of yours" in out["stop"][1]
+    assert "the tfmem recorder (%tfmem record) holds TensorFlow's profiler" in out["tensorboard"]
+    assert out["board_started"] is False
+    assert out["recorder_windows_lost"] == []          # the recorder's window was not cut short
+    assert len(out["after"]) == 1                        # and the user's own session works once it stops

@@ -26,13 +26,13 @@ from ..tf.dump_place import DUMP_ENV
 from ..tf.lab import lab_limit_bytes
 from ..tf.limits import allocator_growth
 from ..tf.options import GPU_ALLOCATOR_ENV
-from ..tf.runtime import runtime_started, setup_env, tensorflow
+from ..tf.runtime import runtime_started, setup_env
 from .allocator_map import AllocatorMap
 from .capture import StderrCapture
 from .dumps import load_memory_dump, parse_bfc_dump
 from .events import AllocatorEvents
 from .profiler import TRACE_LOCK as _active
-from .profiler import profiler_options, running_recorder
+from .profiler import profiler_options, profiler_start, profiler_stop, running_recorder
 from .result import Trace
 from .xspace import read_xplane_file
 
@@ -44,7 +44,7 @@ def tracing() -> bool:
 
 def _profiler_stop_quietly() -> None:
     try:
-        tensorflow().profiler.experimental.stop()
+        profiler_stop()
     except Exception:
         pass
 
@@ -131,7 +131,7 @@ class trace:
             self._paused_recorder.pause()  # one profiler per process: the trace's, until it ends
         self._profiling = True
         try:
-            tensorflow().profiler.experimental.start(self._logdir, options=profiler_options())
+            profiler_start(self._logdir, options=profiler_options())
         except Exception as exc:
             self._profiling = False  # not ours to stop: another profiler may be running
             raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: "
@@ -164,7 +164,7 @@ class trace:
         notes = []
         if self._profiling:
             try:
-                tensorflow().profiler.experimental.stop()
+                profiler_stop()
             except Exception as stop_error:
                 notes.append(
                     "TensorFlow's profiler was stopped inside the block (tf.profiler.experimental.stop()): "

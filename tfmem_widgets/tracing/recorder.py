@@ -18,7 +18,7 @@ import threading
 import time
 
 from ..errors import SetupError
-from .profiler import TRACE_LOCK, profiler_options, running_recorder, set_recorder
+from .profiler import TRACE_LOCK, profiler_options, profiler_start, profiler_stop, running_recorder, set_recorder
 
 _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50 ms
 
@@ -47,12 +47,11 @@ class Recorder:
 
     # -- the profiler's windows ------------------------------------------------------------
     def _start_window(self) -> None:
-        import tensorflow as tf
 
         self._logdir = tempfile.mkdtemp(prefix="tfmem-record-")
         self._window_start_ns = time.time_ns()  # the profiler's times count from its start
         try:
-            tf.profiler.experimental.start(self._logdir, options=profiler_options())
+            profiler_start(self._logdir, options=profiler_options())
         except Exception as exc:
             shutil.rmtree(self._logdir, ignore_errors=True)
             self._logdir = None
@@ -66,15 +65,13 @@ class Recorder:
         import glob
         import os
 
-        import tensorflow as tf
-
         from .xspace import read_xplane_file
 
         if not self._profiling:
             return
         self._profiling = False
         try:
-            tf.profiler.experimental.stop()
+            profiler_stop()
         except Exception as exc:
             self.notes.append(f"a window was lost: the profiler was stopped elsewhere ({type(exc).__name__})")
         logdir, self._logdir = self._logdir, None
@@ -155,6 +152,8 @@ class Recorder:
             self._thread.join()
         with self._lock:
             self._end_window()
+        if running_recorder() is self:  # the profiler is free again: the user's sessions too
+            set_recorder(None)
 
     @property
     def running(self) -> bool:
@@ -183,6 +182,7 @@ class Recorder:
 
 
 _current_lock = threading.Lock()
+_stop_at_exit = False
 
 
 def record(window: float = 10.0) -> Recorder:
@@ -195,6 +195,12 @@ def record(window: float = 10.0) -> Recorder:
         recorder = Recorder(window)
         recorder.start()
         set_recorder(recorder)
+        global _stop_at_exit
+        if not _stop_at_exit:  # a window rolling in TensorFlow's code when the interpreter ends aborts it
+            import atexit
+
+            atexit.register(stop)
+            _stop_at_exit = True
         return recorder
 
 

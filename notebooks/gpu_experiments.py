@@ -24,6 +24,26 @@ from tfmem_widgets.fit.fresh import run_fresh
 
 RECORDED = Path(__file__).with_name("gpu_recorded.json")
 
+
+def visible_gpus() -> int:
+    """How many GPUs TensorFlow will see, asked of the driver (NVML) and CUDA_VISIBLE_DEVICES, not of
+    TensorFlow: importing TensorFlow before the setup keeps oneDNN's kernels on in lab mode, where an
+    OOM inside one of them kills the process."""
+    import os
+
+    from tfmem_widgets import NvmlUnavailable
+    from tfmem_widgets.tf import nvml
+
+    try:
+        count = len(nvml.read_gpus())
+    except NvmlUnavailable:
+        return 0
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen is None:
+        return count
+    picked = [d for d in chosen.split(",") if d.strip()]
+    return 0 if not picked or picked[0].strip() == "-1" else min(count, len(picked))
+
 # Every experiment's cell starts with this: the card as NVML sees it, in bytes.
 _PRELUDE = """
 import gc

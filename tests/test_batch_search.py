@@ -48,7 +48,7 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
     trained = next(p for p in search.probes if p.batch == safe)
     assert trained.fits and 0 < trained.peak_bytes <= 128 * MiB  # the allocator's exact peak, under the limit
     assert (search.limit_bytes, search.limit_source) == (128 * MiB, "lab mode")
-    assert all(p.verdict in ("fragmentation", "shortage", "limit") for p in search.failed)
+    assert all(p.verdict in ("fragmentation", "shortage", "limit") and not p.died for p in search.failed)
     assert search.recommended == safe  # no margin asked: below every failure
     # one probe past the edge; if it trained, fitting is not monotone there and the search says so
     past = max(p.batch for p in search.probes)
@@ -92,6 +92,21 @@ def test_the_probes_say_what_they_show():
     text = repr(search)
     assert "warning: not monotone: 3,500 trained although 3,000 ran out of memory" in text
     assert "recommended, its measured peak leaving 10% of the limit free: 2,000" in text
+
+
+def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():
+    # One XLA program: nothing else runs to free memory while TensorFlow retries for 10 s, so the probe's
+    # process ends at the first refusal (a graph step's probes keep the retry: other ops free memory then).
+    from tfmem_widgets.fit.probe import REFUSED
+
+    build_model, make_batch = _model_and_batches(jit=True)
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
+                                          progress=False, method="probe")
+    safe, failure = search.edge
+    assert safe is not None and failure is not None and failure - safe <= max(1, -(-safe * search.resolution // 1))
+    assert search.failed and all(p.died == REFUSED and p.seconds < 10 for p in search.failed)
+    assert "the process ended at the allocator's first refusal" in repr(search)
+    assert not _children()
 
 
 def test_a_probe_killed_after_its_oom_says_how_and_a_search_leaves_last_oom_alone():

@@ -1,7 +1,8 @@
 """What will fit: the largest batch a Keras model trains with, found in fresh processes.
 
 ``max_batch_size(build_model, make_batch)`` builds the model the user's way in a new process
-per probe (TensorFlow never gives its pool back inside a process, so a probe after an OOM would
+per probe (a pool does not come back within a process: nothing at del or gc, wholly empty GPU regions
+only when a request fails; so a probe after an OOM would
 measure a used pool), runs a few train steps on one batch, and records the allocator's exact
 highest in-use figure, or the OOM. The functions travel by value (cloudpickle), so functions
 defined in a notebook work.

@@ -207,8 +207,8 @@ class OomReport(LinesText):
         need = self.need if self.need is not None and self.need.peak_bytes is not None else None
         if verdict == FRAGMENTATION:
             total = self.map.in_use_bytes + self.request_bytes
-            restart = ("(the pool is never given back: restart the kernel and run the setup again, or run the cell "
-                       "with %%tfmem fresh)")
+            restart = ("(nothing of the pool comes back at del or gc: restart the kernel and run the setup again, "
+                       "or run the cell with %%tfmem fresh)")
             if need is not None and need.fits_batch is not None and need.fits_batch >= need.batch_size:
                 out.append(f"start from an empty pool: the step's planned peak at batch {need.batch_size:,}, "
                            f"{format_bytes(need.peak_bytes)}, is under the {format_bytes(self.limit_bytes)} limit "

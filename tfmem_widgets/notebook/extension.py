@@ -55,10 +55,7 @@ def explain_thread_oom(args) -> None:
     error = args.exc_value
     if isinstance(error, Exception) and is_oom(error) and not getattr(error, "_tfmem_explained", False):
         try:
-            report = explain.explain_exception(error)
-            explain.remember(report)
-            explain.keep_dump_of(error, report)
-            error._tfmem_explained = True
+            report = explain.explained(error, explain.explain_exception(error))
             name = getattr(args.thread, "name", "a thread")
             print(f"tfmem: an OOM in thread {name!r}, explained (tfmem_widgets.last_oom()):\n{report!r}",
                   file=sys.stderr, flush=True)

@@ -237,12 +237,17 @@ def _own_dump(exc: BaseException, candidates: list[str], request: int | None):
     return newest
 
 
-def keep_dump_of(exc: BaseException, report: OomReport) -> None:
-    """Note on the error which dump its report read, so that explaining it again reads the same."""
-    try:
-        exc._tfmem_dump = report.dump_path
-    except AttributeError:
-        pass
+def explained(exc: BaseException | None, report: OomReport) -> OomReport:
+    """The report becomes last_oom(), and the error carries that it was explained (a cell's hook does
+    not say it again) and which dump its report read (explaining it again reads the same)."""
+    remember(report)
+    if exc is not None:
+        try:
+            exc._tfmem_explained = True
+            exc._tfmem_dump = report.dump_path
+        except AttributeError:
+            pass
+    return report
 
 
 def remember(report: OomReport) -> None:
@@ -283,9 +288,7 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
         if not is_oom(source):
             raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
                              "ResourceExhaustedError, a dump file's path or a log's text.")
-        report = with_need(explain_exception(source), fit)
-        keep_dump_of(source, report)
-        remember(report)
+        report = explained(source, with_need(explain_exception(source), fit))
         return [report] if each else report
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")

@@ -110,10 +110,4 @@ def cell_finished(error: BaseException | None) -> OomReport | None:
         report = explain.explain_refused(error, _cell_dumps, refused, fit)
     else:
         return None
-    explain.remember(report)
-    explain.keep_dump_of(error, report)
-    try:
-        error._tfmem_explained = True
-    except AttributeError:
-        pass
-    return report
+    return explain.explained(error, report)

@@ -210,14 +210,10 @@ class trace:
         self.result._fill(events, self._fresh, self._growth, oom, dumps, text_dump,
                           logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
         if oom is not None:  # a trace's OOM is an OOM: explained, and the process's last_oom()
-            from ..oom.explain import remember
+            from ..oom.explain import explained
 
             self.result.made_here = True
-            remember(self.result.oom_report())
-            try:
-                exc._tfmem_explained = True  # the trace shows it: the cell's hook says it once
-            except AttributeError:
-                pass
+            explained(exc, self.result.oom_report())  # the trace shows it: the cell's hook says it once
         return self.result
 
     def _restore_env(self) -> None:

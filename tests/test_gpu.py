@@ -309,8 +309,11 @@ KERAS_OOM = """
 import io, contextlib, sys, time
 from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
-class Said(io.StringIO):  # what the cell is told on stderr, kept and passed on as it comes
+STARTED = time.time()
+class Said(io.StringIO):  # what the cell is told on stderr, kept and passed on as it comes, timed
     def write(self, text):
+        if text.startswith("tfmem"):
+            sys.__stderr__.write(f"@{time.time() - STARTED:.1f}s ")
         sys.__stderr__.write(text)
         sys.__stderr__.flush()
         return super().write(text)
@@ -380,6 +383,16 @@ def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits(
         _, said = proc.communicate()
     assert "first: GPU_0_bfc" in said   # said while the cell still waits
     assert "still refused" in said and "--xla_gpu_autotune_level=0" in said
+    # ... and within 30 s of its first refusal, what the step needs and what fits, planned on the CPU
+    # from a copy of the model while the autotuner waits (the figure is printed for the record)
+    import re
+
+    early = re.search(r"@([\d.]+)s tfmem: this fit's XLA step was refused memory; planned in (\d+) s", said)
+    assert early, said
+    print(f"told what the step needs at {early.group(1)} s of the cell, after {early.group(2)} s of plans")
+    told = said[early.start():]
+    assert "XLA's CPU program of a copy of the model" in told and "against the 1.00 GiB limit" in told
+    assert "what fits: at most batch" in told and "interrupt the cell and fit with batch_size=" in told
 
 
 def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_the_gauge():

@@ -15,7 +15,7 @@ from conftest import finish_fresh, start_fresh
 MiB = 1 << 20
 
 SHELL = """
-import json, os, glob, contextlib, io
+import json, os, sys, glob, contextlib, io
 from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
 shown, said = io.StringIO(), io.StringIO()
@@ -165,8 +165,14 @@ print(json.dumps({"raised": type(result.error_in_exec).__name__, "keys": list(la
                   "in_use": r.in_use_bytes, "verdict": r.verdict, "shown": shown.getvalue(),
                   "need": need and {"batch": need.batch_size, "peak": need.peak_bytes, "fits": need.fits_batch,
                                     "fails": need.fails_batch, "estimate": need.estimate, "limit": need.limit_bytes,
-                                    "plans": need.plans}, "fixes": r.fixes()}))
+                                    "plans": need.plans, "source": need.source}, "fixes": r.fixes(),
+                  "said": said.getvalue()}))
 """
+
+# The same fit with its step an XLA program (Keras' default on a GPU). After an XLA program's OOM the
+# allocator is inconsistent and the process aborts when its tensors are freed: it ends at once.
+KERAS_XLA = KERAS.replace('jit_compile=False', 'jit_compile=True') + "sys.stdout.flush(); os._exit(0)\n"
+
 
 # A batch an OOM report names, tried in a fresh process at the same limit.
 TRAIN_AT = """
@@ -182,7 +188,8 @@ try:
     raised = None
 except Exception as error:
     raised = type(error).__name__
-print(json.dumps({"raised": raised}))
+print(json.dumps({"raised": raised}), flush=True)
+os._exit(0)   # after an XLA program's OOM the process aborts when its tensors are freed
 """
 
 
@@ -205,7 +212,7 @@ print(json.dumps({"keys": list(layers), "totals": dict(layers.items()), "total":
 @pytest.fixture(scope="module")
 def keras_ooms():
     procs = {"plain": start_fresh(KERAS), "recorded": start_fresh(KERAS, {"RECORD": "1"}),
-             "xla": start_fresh(XLA_TRACE)}
+             "xla": start_fresh(XLA_TRACE), "xla_oom": start_fresh(KERAS_XLA)}
     return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
 
 
@@ -240,6 +247,28 @@ def test_a_keras_fit_oom_says_what_the_step_needs_and_the_most_that_can_fit(kera
     # optimizer update's temporaries are not fused). The batch just past it does not train.
     past = finish_fresh(start_fresh(TRAIN_AT, {"BATCH": str(need["fails"])}), timeout=300)
     assert past["raised"] == "ResourceExhaustedError"
+
+
+def test_an_xla_fit_refused_is_planned_while_it_waits_and_told_what_fits(keras_ooms):
+    # An XLA program's OOM leaves nothing to plan in its process: the step is planned at the first
+    # refusal, while TensorFlow still waits, and the report keeps that need.
+    out = keras_ooms["xla_oom"]
+    assert out["raised"] == "ResourceExhaustedError"
+    need = out["need"]
+    assert need["source"] == "plan" and not need["estimate"]    # XLA's plan of the program the fit runs
+    assert need["batch"] == 4096 and need["peak"] > need["limit"] == 160 << 20
+    # At 160 MB the weights and Adam's slots (102 MiB) and the data leave no region the step's one buffer
+    # of temporaries fits in, at any batch: the plans say so, and the smallest batch they tried fails too.
+    assert need["fits"] is None and need["fails"] < 4096
+    assert f"what fits: no batch planned fits this limit (down to {need['fails']:,})" in out["shown"]
+    assert any(f.startswith("no batch fits this limit") for f in out["fixes"])
+    # Said while the cell waits when the plans end first (here TensorFlow raises 10 s after the refusal;
+    # on a GPU its autotuner waits minutes: tests/test_gpu.py); else the report says it.
+    if "tfmem: this fit's XLA step was refused memory; planned in" in out["said"]:
+        assert "what fits: no batch planned fits this limit" in out["said"]
+    smallest = finish_fresh(start_fresh(TRAIN_AT.replace("jit_compile=False", "jit_compile=True"),
+                                        {"BATCH": str(need["fails"])}), timeout=300)
+    assert smallest["raised"] == "ResourceExhaustedError"
 
 
 def test_the_recorder_names_the_failed_steps_activations(keras_ooms):

@@ -16,10 +16,12 @@ After %load_ext, an OOM in any cell is explained under its traceback (last_oom()
 
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
 from .fit.fresh import FreshRun, run_fresh
+from .fit.need import early_need as _early_need
 from .fit.need import step_need as _step_need
 from .fit.plan import StepPlan, plan
 from .fit.search import BatchSearch, Probe, max_batch_size
 from .oom import explain as _explain_module
+from .oom import refusals as _refusals_module
 from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
 from .oom.watch import unwatch_oom, watch_oom
@@ -35,6 +37,7 @@ from .tracing.result import Trace
 
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 _explain_module.planner = _step_need  # a fit's OOM is told in terms of its step, planned in fit/
+_refusals_module.early_planner = _early_need  # ... and an XLA step's need while its fit still waits
 
 __version__ = "0.1.0"
 __all__ = [

@@ -9,6 +9,19 @@ A plan compiles the step from specs and allocates nothing on the device; with XL
 the compiler tries kernels on scratch buffers (the plan notes it). After an XLA program's own OOM
 nothing is planned here: the allocator is left inconsistent (``oom/report.py``), and the program's
 one buffer of temporaries already says the step's need (``xla_request_need``).
+
+``early_need`` plans while the cell still waits, at an XLA fit's first refusal (``oom/refusals.py``):
+on a GPU its compiler's autotuner is refused again and again for minutes before anything is raised,
+and a plan of the step on the same GPU would be refused the same way (its autotuner tries the step's
+GEMMs on the card). So a GPU model's step is planned on the CPU: a copy of the model (its config, its
+compile config, variables made on the CPU), compiled by XLA's CPU compiler from specs. Its program
+is XLA's CPU program of the step, not the GPU's: the figures are labelled an estimate. Measured on an
+H100 (benchmarks/plan_vs_probe.py --gpu, autotuning on and off): the CPU program needed 2-50% more than
+the GPU's for a Dense model, 11-25% more for attention, 1.9 times for a convolution, so the batch it
+names is on the safe side; the GPU's own plans equalled the measured steps (0.0007% at most). On the
+H100 (autotuner on) the GPU tests' Dense fit was told what its step needs 24.7 s after its script
+started; an attention fit at batch 16,384 got its need (160 GiB, at most batch 7,736) from 16 s of
+plans, where its cell ended after 95 s in an InternalError.
 """
 
 from __future__ import annotations
@@ -26,11 +39,72 @@ NEED_SECONDS = 60.0  # plans after an OOM stop after this long, with what is kno
 PIPELINE_BATCHES = 4
 
 
-def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None = None) -> StepNeed:
+EARLY_SECONDS = 15.0  # an early plan's search stops after this long: the cell is told within 30 s of its refusal
+
+
+def cpu_copy(model):
+    """The model rebuilt on the CPU for planning: its layers from its config (weights made anew,
+    never copied), compiled the way it was. A model Keras cannot rebuild from its config raises
+    SetupError."""
+    import keras
+    import tensorflow as tf
+
+    try:
+        config = model.get_compile_config()
+        with tf.device("/CPU:0"):
+            copy = keras.models.clone_model(model)
+            if config:
+                copy.compile_from_config(config)
+    except Exception as exc:  # a subclassed model without get_config, a custom compile
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise SetupError(f"plan: the model could not be rebuilt on the CPU to plan it ({type(exc).__name__}: "
+                         f"{first})") from None
+    if getattr(copy, "optimizer", None) is None:
+        raise SetupError("plan: the model's copy on the CPU has no optimizer (a compile Keras cannot repeat)")
+    return copy
+
+
+def early_need(fit: FitContext, *, seconds: float = EARLY_SECONDS) -> StepNeed:
+    """What the fit's step needs and the batch that fits, planned while the fit still waits on a
+    refused request: on the device its variables live on when that is a CPU (lab mode), else from a
+    CPU copy of the model (an estimate of the GPU's program), against that device's limit."""
+    from dataclasses import replace
+
+    import tensorflow as tf
+
+    from ..tf.allocator import allocator_of_device
+    from ..tf.devices import resolve_device
+    from ..tf.limits import allocator_growth, limit_of
+    from .plan import _device_of, plan
+
+    device = resolve_device(_device_of(fit.model)).name
+    limit = limit_of(device).bytes
+    if device.startswith("CPU"):
+        return step_need(fit, limit, seconds=seconds)
+    started = time.perf_counter()
+    try:
+        copy = cpu_copy(fit.model)
+    except SetupError as exc:
+        return StepNeed(fit.batch_size, limit_bytes=limit, note=str(exc).removeprefix("plan: "))
+    growth = allocator_growth().get(allocator_of_device(device), True)
+
+    def on_the_device(model, sample, batch: int):  # the CPU's plan, judged as the GPU's pool would hold it
+        return replace(plan(model, sample, batch), device=device, limit_bytes=limit, growth=growth)
+
+    with tf.device("/CPU:0"):
+        need = step_need(replace(fit, model=copy), limit, seconds=max(1.0, seconds - (time.perf_counter() - started)),
+                         planner=on_the_device)
+    return replace(need, source="cpu plan", seconds=time.perf_counter() - started)
+
+
+def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None = None, planner=None) -> StepNeed:
     """The planned peak of the fit's step at its batch, and the largest batch whose plan fits
-    `limit_bytes` (the device's limit when None) in a fresh process."""
+    `limit_bytes` (the device's limit when None) in a fresh process. planner: plan (None), or one
+    that plans elsewhere."""
     from .plan import plan
     from .plan_search import largest_below
+
+    plan = planner or plan
 
     seconds = NEED_SECONDS if seconds is None else seconds
     if fit.replicas != 1:
@@ -51,10 +125,15 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     def held(planned) -> tuple[int, ...]:
         return (*fit.data_sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
 
-    # By bytes alone: where the pool's regions fall, the fit's own transients and (for a graph step) the
-    # kernels it runs instead of XLA's are not planned, so the batch is the most that can fit.
-    found = largest_below(fit.model, fit.sample, failing, limit, seconds=left, held=held, regions=False)
+    # An XLA step asks for its temporaries as one buffer: it fits where the pool a fresh process grows
+    # has room for it (StepPlan.fits; measured in lab mode at 160 MB: no batch from 100 to 4,096 trained,
+    # as the pool's model said, where the bytes alone said 478). A graph step asks for each tensor
+    # apart, with other kernels than XLA's: by bytes alone, the most that can fit.
+    found = largest_below(fit.model, fit.sample, failing, limit, seconds=left, held=held,
+                          regions=False if failing.estimate else None, planner=plan)
     stopped = next((n for n in found.notes if n.startswith("stopped")), "")
+    if found.batch is not None and found.failure is not None and found.failure - found.batch <= max(1, found.batch // 50):
+        stopped = ""  # the edge was found to the search's resolution (2%) before the time ran out
     note = ""
     if stopped:
         note = (f"the plans {stopped}: the edge lies between {found.batch or 0:,} and {found.failure:,}; "

@@ -83,13 +83,13 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
 
 def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
                   max_plans: int = 10, seconds: float | None = None, held=lambda plan: (),
-                  regions: bool | None = None) -> PlanSearch:
+                  regions: bool | None = None, planner=plan) -> PlanSearch:
     """The largest batch below `above` (a plan at a batch that does not fit) whose plan fits
     `limit_bytes`, to within `resolution`; the first aim is where the line through the model's
     resident bytes (at batch 0) and `above`'s peak meets the limit. `seconds` bounds the search:
     what is known by then is returned (each plan is a compile: about a second in lab mode, 10-30 s
     on a GPU). held(plan): what the process holds besides the step at that plan's batch (a fit's data);
-    regions: as StepPlan.fits."""
+    regions: as StepPlan.fits; planner: plan, or one that plans elsewhere (fit/need.py's CPU copy)."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {above.batch_size: above}
     notes: list[str] = []
@@ -97,7 +97,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
     def fits(batch: int) -> bool:
         if batch not in plans:
             try:
-                plans[batch] = plan(model, sample, batch)
+                plans[batch] = planner(model, sample, batch)
             except SetupError as exc:
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return False

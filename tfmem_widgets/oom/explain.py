@@ -152,11 +152,14 @@ def xla_request_need(fit: FitContext, report: OomReport) -> StepNeed | None:
                     source="xla request")
 
 
-def with_need(report: OomReport, fit: FitContext | None) -> OomReport:
-    """The report of a fit's OOM with what the step needs (planned here, or from XLA's request)."""
+def with_need(report: OomReport, fit: FitContext | None, early: StepNeed | None = None) -> OomReport:
+    """The report of a fit's OOM with what the step needs: planned while the fit waited (`early`), or
+    planned here, or from XLA's request."""
     if fit is None or report.map is None:
         return report
-    if report.xla:
+    if early is not None and early.peak_bytes is not None:
+        report.need = early
+    elif report.xla:
         report.need = xla_request_need(fit, report)
     elif planner is not None:
         try:
@@ -199,7 +202,8 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
                             notes=notes, text=text, layers=layers)
 
 
-def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: FitContext | None) -> OomReport:
+def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: FitContext | None,
+                    early: StepNeed | None = None) -> OomReport:
     """An error that is not an OOM, raised after the allocator refused requests in the same cell
     (measured on an H100: an XLA fit whose GEMM autotuner was refused scratch for two minutes ended in
     'InternalError: Graph execution error'): the newest of the cell's dumps, said to be the cause."""
@@ -211,7 +215,9 @@ def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: 
            "at the last refusal")
     notes = [why]
     jit = getattr(getattr(fit, "model", None), "jit_compile", None) is True
-    if fit is not None and jit:
+    if early is not None and early.peak_bytes is not None:
+        report.need = early
+    elif fit is not None and jit:
         notes.append(f"this fit's step is an XLA program at batch {fit.batch_size:,}: its compiler's GEMM autotuner "
                      "asked for scratch that did not fit, so the step does not either; plan it in a new process "
                      "(XLA_FLAGS=--xla_gpu_autotune_level=0 there plans without touching the card): "

@@ -5,6 +5,11 @@ each time. Measured on an H200: an XLA fit under a 1024 MB limit had its GEMM au
 before the first step) refused scratch buffers of 256, 160 and then 64 MiB over and over, 10 s
 each, for minutes, with nothing raised. A cell that is refused is told so as it happens, not
 minutes later: a thread polls the dump place while the cell runs.
+
+At the first refusal of a fit whose step is an XLA program, the step is planned while the cell waits
+(``early_planner``: ``fit/need.early_need``, on a thread of its own) and the cell is told what the step
+needs and the batch that fits, before the autotuner's minutes; the cell's report keeps that need. A fit
+that is never refused costs nothing: nothing is planned.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' d
                  "(measured on an H200: the same fit then trained), lower the batch, or compile with "
                  "jit_compile=False")
 _refusals = None
+early_planner = None  # fit -> StepNeed, set by the package's face (fit/need.early_need)
 
 
 class _RefusalWatch(threading.Thread):
@@ -40,6 +46,8 @@ class _RefusalWatch(threading.Thread):
         self.said_first = False
         self.main_thread = threading.get_ident()  # the cell's thread
         self.fit = None  # the Keras fit the cell was in at its first refusal (oom/fit_context.py)
+        self.need = None  # what its XLA step needs, planned while the cell waited (early_planner)
+        self.planning: threading.Thread | None = None
 
     def run(self) -> None:
         while not self.stop_event.wait(REFUSAL_POLL_S):
@@ -65,6 +73,9 @@ class _RefusalWatch(threading.Thread):
             from .fit_context import fit_context_of_thread
 
             self.fit = fit_context_of_thread(self.main_thread)
+            if self.fit is not None and getattr(self.fit.model, "jit_compile", None) is True and early_planner:
+                self.planning = threading.Thread(target=self._plan_early, name="tfmem-early-plan", daemon=True)
+                self.planning.start()
         if final or not say_refusals:
             return  # a refusal the cell got over (or raised on) is the report's, or nothing to say
         if waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
@@ -80,6 +91,31 @@ class _RefusalWatch(threading.Thread):
         self.said_first = True
         print(line, file=sys.stderr, flush=True)
 
+    def _plan_early(self) -> None:
+        """Plan the refused XLA step now and say what it needs and what fits, while the cell waits."""
+        import sys
+        import time
+
+        from ..units import format_bytes
+
+        started = time.time()
+        try:
+            need = early_planner(self.fit)
+        except Exception as exc:  # the user's model: never fail the cell
+            from .report import StepNeed
+
+            need = StepNeed(self.fit.batch_size, note=f"the step could not be planned ({type(exc).__name__})")
+        self.need = need
+        if not say_refusals or self.stop_event.is_set() or need.peak_bytes is None:
+            return
+        limit = format_bytes(need.limit_bytes) if need.limit_bytes else "device's"
+        lines = [f"tfmem: this fit's XLA step was refused memory; planned in {time.time() - started:.0f} s while it "
+                 "waits:", *(f"  {line}" for line in need.lines(limit))]
+        if need.fits_batch is not None and need.fits_batch < need.batch_size:
+            lines.append(f"  interrupt the cell and fit with batch_size={need.fits_batch:,} (or less): at this batch "
+                         "its compiler may go on being refused for minutes before anything is raised")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
     def stop(self) -> None:
         """Stop polling; a refusal not yet said is said now (a request beyond the limit can fail
         and be caught within the poll's second: the cell's output is the same either way)."""
@@ -87,6 +123,8 @@ class _RefusalWatch(threading.Thread):
         if self is not threading.current_thread():
             self.join(timeout=5)
         self.poll(final=True)
+        if self.planning is not None:  # its plans end within EARLY_SECONDS: the report keeps its need
+            self.planning.join(timeout=60)
 
 
 def _xla_fit_running(thread_id: int) -> bool:
@@ -131,12 +169,12 @@ def current_fit():
     return None if watch is None else watch.fit
 
 
-def stop() -> tuple[int, object]:
-    """End the cell's watch (its first refusal said now): the refusals it saw, and the Keras fit the
-    cell was in at the first (None: none seen)."""
+def stop() -> tuple[int, object, object]:
+    """End the cell's watch (its first refusal said now): the refusals it saw, the Keras fit the cell
+    was in at the first (None: none seen) and what its XLA step needs, planned while it waited (None)."""
     global _refusals
     watch, _refusals = _refusals, None
     if watch is None:
-        return 0, None
+        return 0, None, None
     watch.stop()
-    return watch.refusals, watch.fit
+    return watch.refusals, watch.fit, watch.need

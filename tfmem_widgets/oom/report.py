@@ -38,7 +38,8 @@ CPU_STEP_NOTE = ("a compiled step on a CPU: its kernels' scratch buffers (sized 
 class StepNeed:
     """What the failing step needs and the batch that fits, in terms of the step (fit/need.py).
 
-    source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), or
+    source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), 'cpu
+    plan' (the same, of a CPU copy of a GPU model, planned while its fit waited: an estimate), or
     'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
     the least the step needs; no plan is made in its process after it, and no batch is guessed: a
     scaled one was far off in lab mode, where the fit's data, regions and the step's fixed bytes
@@ -60,7 +61,9 @@ class StepNeed:
     def lines(self, limit_text: str) -> list[str]:
         out = []
         if self.peak_bytes is not None:
-            how = ("XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
+            how = ("XLA's CPU program of a copy of the model, planned while the fit waited: an estimate of its "
+                   "GPU program" if self.source == "cpu plan" else
+                   "XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
                    if self.estimate else "XLA's plan of this step" if self.source == "plan" else
                    "in use + the XLA program's one buffer of temporaries")
             parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
@@ -69,13 +72,14 @@ class StepNeed:
                        f"peak ({how}{parts}) against the {limit_text} limit")
         if self.fits_batch is not None:
             above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
-            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step's bytes, with the fit's "
-                       f"data and input pipeline, reach the limit ({self.plans} plans in {self.seconds:.1f} s{above}); "
-                       "where the pool's regions fall can take more: a probe confirms it (%%tfmem batch --plan)")
+            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step, with the fit's data "
+                       f"and input pipeline, reaches the limit ({self.plans} plans in {self.seconds:.1f} s{above}); a fit "
+                       "can take more than its plan (its first step, where the pool's regions fall): a probe confirms "
+                       "it (%%tfmem batch --plan)")
         elif self.source == "xla request":
             out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
                        "the batch): after an XLA program's OOM this one is not planned")
-        elif self.source == "plan" and self.peak_bytes is not None and self.fails_batch is not None:
+        elif self.source in ("plan", "cpu plan") and self.peak_bytes is not None and self.fails_batch is not None:
             out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
         if self.note:
             out.append(self.note)
@@ -259,7 +263,12 @@ class OomReport(LinesText):
         precision = ("mixed precision (keras.mixed_precision.set_global_policy('mixed_float16')) halves the "
                      "activations")
         out = []
-        if need is not None and need.fits_batch is not None:
+        if need is not None and need.fits_batch is None and need.fails_batch is not None:
+            out.append(f"no batch fits this limit by the plans (down to batch {need.fails_batch:,}): the model's "
+                       f"variables ({format_bytes(need.resident_bytes)}) and the fit's data leave no room for the step; "
+                       "raise the limit, or hold less: the data in a tf.data pipeline instead of arrays, an optimizer "
+                       "with fewer slots (SGD keeps none, Adam two per weight)")
+        elif need is not None and need.fits_batch is not None:
             out.append(f"a smaller batch: at most {need.fits_batch:,}, where the planned step reaches the "
                        f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
                        f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "

@@ -101,13 +101,13 @@ def cell_finished(error: BaseException | None) -> OomReport | None:
     terms of its step (what it needs, the batch that fits)."""
     from ..tracing.profiler import TRACE_LOCK
 
-    refused, fit = refusals.stop()  # the cell's watch ends with it (its first refusal said now)
+    refused, fit, need = refusals.stop()  # the cell's watch ends with it (its first refusal said now)
     if error is None or getattr(error, "_tfmem_explained", False) or TRACE_LOCK.locked():
         return None  # a %%tfmem trace shows its own OOM map
     if is_oom(error):
-        report = explain.with_need(explain.explain_exception(error, _cell_dumps), fit)
+        report = explain.with_need(explain.explain_exception(error, _cell_dumps), fit, need)
     elif refused and isinstance(error, Exception):
-        report = explain.explain_refused(error, _cell_dumps, refused, fit)
+        report = explain.explain_refused(error, _cell_dumps, refused, fit, need)
     else:
         return None
     return explain.explained(error, report)

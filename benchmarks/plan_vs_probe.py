@@ -7,6 +7,8 @@
    function with the pool holding a free chunk it can split (a large tensor made and dropped first), its
    peak over in-use before. Prints plan, measured and the error of each plan.
    The plan's own bytes are printed too: what stayed in the allocator and how far its peak rose.
+   On a GPU, a CPU copy of the model is planned too (what a fit refused memory is told while it
+   waits, fit/need.py): its error against the GPU's measured step.
 2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
    their ratio. Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical
@@ -56,6 +58,7 @@ STEPS = MODELS + '''
 import json, time
 import tensorflow as tf
 import tfmem_widgets
+from tfmem_widgets.fit.need import cpu_copy
 device = {device!r}
 with tf.device(device):
     spare = tf.zeros([{spare_mb} << 18]); del spare     # a free chunk every step's request is split from
@@ -79,8 +82,13 @@ for batch in batches:
     before = tf.config.experimental.get_memory_info(device)["current"]
     model.train_function([(x, y)])
     measured = tf.config.experimental.get_memory_info(device)["peak"] - before
+    started = time.perf_counter()
+    with tf.device("/CPU:0"):   # what a refused fit is told while it waits: XLA's CPU program of a copy
+        cpu = tfmem_widgets.plan(cpu_copy(model), sample, batch).step_bytes if device.startswith("GPU") else None
+    cpu_seconds = time.perf_counter() - started
     rows.append(dict(batch=batch, plan=planned.step_bytes, measured=measured, worst=planned.worst_take_bytes,
-                     unattributed=planned.layers.unattributed_bytes, seconds=seconds, held=held, rose=rose))
+                     unattributed=planned.layers.unattributed_bytes, seconds=seconds, held=held, rose=rose,
+                     cpu=cpu, cpu_seconds=cpu_seconds))
 print("ROWS " + json.dumps(rows))
 '''
 
@@ -118,6 +126,10 @@ def main() -> None:
             print(f"{shape:<10} batch {row['batch']:>5}: plan {row['plan']:>12,} B  measured {row['measured']:>12,} B  "
                   f"error {error:+.4%}  worst take {row['worst']:>12,} B  unattributed {row['unattributed']:,} B  "
                   f"planned in {row['seconds']:.2f} s; the plan held {row['held']:,} B, raised the peak {row['rose']:,} B")
+            if row["cpu"] is not None:
+                cpu_error = (row["measured"] - row["cpu"]) / row["measured"]
+                print(f"{'':<10} a CPU copy's plan {row['cpu']:>12,} B  error {cpu_error:+.2%}"
+                      f"  planned in {row['cpu_seconds']:.2f} s")
     if args.skip_search:
         return
     namespace: dict = {}

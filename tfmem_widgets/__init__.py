@@ -29,6 +29,7 @@ from .readings.measure import Measurement, measure
 from .readings.report import MemoryReport, report
 from .tf.device_setup import SetupResult, setup
 from .tf.runtime import watch_runtime_start
+from .tracing import result as _result_module
 from .tracing.allocator_map import AllocatorMap, Chunk, Region
 from .tracing.block import trace
 from .tracing.dumps import load_memory_dump, parse_bfc_dump
@@ -38,6 +39,7 @@ from .tracing.result import Trace
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
 _explain_module.planner = _step_need  # a fit's OOM is told in terms of its step, planned in fit/
 _refusals_module.early_planner = _early_need  # ... and an XLA step's need while its fit still waits
+_result_module.program_planner = plan  # a traced XLA fit's temporaries read by layer, from its plan
 
 __version__ = "0.1.0"
 __all__ = [

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import SetupError
-from ..oom.layers import LayerAnatomy
+from ..oom.layers import LayerAnatomy, remember_program
 from ..text import LinesText
 from ..tf.allocator import GrowingPool, rounded, worst_take
 from ..units import MiB, format_bytes
@@ -317,10 +317,14 @@ def plan(model, sample, batch_size: int) -> StepPlan:
             pieces = list(live.items())
         else:  # an output: its buffers share it, the first names it
             pieces = [(allocation.buffers[0], allocation.size)] if allocation.buffers else []
+        own: dict[str, dict[str, int]] = {}
         for buffer, size in pieces:
             key, phase = owners.of(index.instruction_of(buffer))
-            rows.setdefault(key, {}).setdefault(phase, 0)
-            rows[key][phase] += size
+            for table in (rows, own):
+                table.setdefault(key, {}).setdefault(phase, 0)
+                table[key][phase] += size
+        if allocation.kind == hlo.TEMP:
+            remember_program(allocation.size, own)  # a trace of this program reads its buffer by it
     step = sum(rounded(a.size) for a in per_run)
     # The model's state in the order fit makes it (weights, then the optimizer's slots), one size each:
     # the resident figures and the pool a fresh process has made before the step.

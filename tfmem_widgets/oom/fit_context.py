@@ -9,6 +9,8 @@ specs are the dataset's ``element_spec``.
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 
 
@@ -57,3 +59,39 @@ def _of_fit_locals(local: dict) -> FitContext | None:
     sizes = tuple(int(getattr(a, "nbytes", 0) or 0) for name in ("x", "y", "sample_weight")
                   for a in tf.nest.flatten(local.get(name)) if hasattr(a, "nbytes") and hasattr(a, "shape"))
     return FitContext(model, int(batch), spec, replicas, tuple(s for s in sizes if s))
+
+
+SPOT_EVERY_S = 0.2
+
+
+class FitSpotter(threading.Thread):
+    """Notes the Keras fits a thread runs while it is watched (its frames read every SPOT_EVERY_S):
+    each fit's model (weakly: a trace does not keep a model alive), batch size and batch specs, once.
+    A trace plans the XLA programs it saw with them (tracing/result.py)."""
+
+    def __init__(self, thread_id: int | None = None):
+        super().__init__(name="tfmem-fit-spotter", daemon=True)
+        self.thread_id = threading.get_ident() if thread_id is None else thread_id
+        self.stop_event = threading.Event()
+        self.seen: dict[tuple[int, int], tuple[weakref.ref, int, object]] = {}
+
+    def run(self) -> None:
+        while not self.stop_event.wait(SPOT_EVERY_S):
+            self.spot()
+
+    def spot(self) -> None:
+        try:
+            found = fit_context_of_thread(self.thread_id)
+        except Exception:  # frames that vanish while read: the next look sees them
+            return
+        if found is not None and len(self.seen) < 8:
+            key = (id(found.model), found.batch_size)
+            if key not in self.seen:
+                self.seen[key] = (weakref.ref(found.model), found.batch_size, found.sample)
+
+    def stop(self) -> list[tuple[weakref.ref, int, object]]:
+        """Stop watching; the fits seen: (model's weak reference, batch size, specs)."""
+        self.stop_event.set()
+        if self is not threading.current_thread() and self.is_alive():
+            self.join(timeout=2)
+        return list(self.seen.values())

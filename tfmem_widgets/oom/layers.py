@@ -9,6 +9,13 @@ Two sources, both exact where they answer:
   ``<optimizer>/...`` for the update; tf.data's ops are the input pipeline.
 What neither names is said plainly: ``(activations and temporaries)`` where no op is known,
 ``(unattributed)`` for chunks with an op that names nothing a user wrote.
+
+An XLA program asks for all its temporaries as one buffer, with no op: a plan of the same program
+(``plan()``, fit/plan.py) knows that buffer's size to the byte and which Keras layer and phase each
+of its pieces serves at the program's peak. A chunk an XLA program asked for with exactly that size
+is split the same way (``remember_program``): its live pieces by layer and phase, the rest of its
+request not live at that peak, and the chunk's bytes beyond the request (the allocator's no-split rule
+hands out a whole free chunk) each said as such.
 """
 
 from __future__ import annotations
@@ -199,6 +206,40 @@ def optimizer_names(namespace: dict | None = None) -> list[str]:
     return [str(getattr(o, "name", "")) for o in optimizers if getattr(o, "name", "")]
 
 
+# -- XLA programs planned in this process ---------------------------------------------------
+
+XLA_PROGRAM = "(XLA program"  # the start of the name the trace's reader gives an XLA program's allocations
+_PROGRAMS: dict[int, dict[str, dict[str, int]]] = {}  # a planned temporary buffer's bytes -> its live pieces
+_PROGRAMS_KEPT = 64
+
+
+def remember_program(request_bytes: int, rows: dict[str, dict[str, int]]) -> None:
+    """A plan's temporary buffer of `request_bytes` and its pieces live at the program's peak, by key
+    and phase: a traced chunk an XLA program asked for with that size is read as this buffer."""
+    _PROGRAMS.pop(int(request_bytes), None)
+    _PROGRAMS[int(request_bytes)] = {k: dict(v) for k, v in rows.items()}
+    while len(_PROGRAMS) > _PROGRAMS_KEPT:
+        _PROGRAMS.pop(next(iter(_PROGRAMS)))
+
+
+def known_program(request_bytes: int | None) -> dict[str, dict[str, int]] | None:
+    return None if request_bytes is None else _PROGRAMS.get(int(request_bytes))
+
+
+def _split_program(chunk, pieces: dict[str, dict[str, int]], rows) -> None:
+    """A traced XLA buffer read by its plan: live pieces by key and phase, the rest said as such."""
+    live = 0
+    for key, phases in pieces.items():
+        for phase, size in phases.items():
+            rows[key][phase] += size
+            live += size
+    program = chunk.op.rstrip(")")
+    if chunk.requested > live:
+        rows[f"{program}: temporaries not live at its peak)"][OTHER] += chunk.requested - live
+    if chunk.size > chunk.requested:
+        rows[f"{program}: its chunk beyond the request)"][OTHER] += chunk.size - chunk.requested
+
+
 # -- an op's name, read the way Keras writes it ----------------------------------------------
 
 _WRAPPERS = {"StatefulPartitionedCall", "PartitionedCall", "while", "cond", "body"}
@@ -372,7 +413,10 @@ def anatomy(amap, namespace: dict | None = None, variables=None, reader: OpReade
             rows[known.layer][known.phase] += chunk.size
             matched += 1
             continue
-        if chunk.op:
+        pieces = known_program(chunk.requested) if chunk.op.startswith(XLA_PROGRAM) else None
+        if pieces is not None and chunk.requested <= chunk.size:
+            _split_program(chunk, pieces, rows)
+        elif chunk.op:
             key, phase = reader.read(chunk.op)
             rows[key][phase] += chunk.size
         else:

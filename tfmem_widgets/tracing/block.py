@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SetupError, TraceDataError
+from ..oom.fit_context import FitSpotter
 from ..oom.message import oom_info
 from ..tf import dump_place
 from ..tf.allocator import has_text_dump
@@ -79,6 +80,7 @@ class trace:
         self._stderr: StderrCapture | None = None
         self._profiling = False
         self._paused_recorder = None
+        self._spotter: FitSpotter | None = None
 
     @property
     def running(self) -> bool:
@@ -130,6 +132,8 @@ class trace:
         if self._paused_recorder is not None:
             self._paused_recorder.pause()  # one profiler per process: the trace's, until it ends
         self._profiling = True
+        self._spotter = FitSpotter()  # the Keras fits of the block: their XLA programs are planned when read
+        self._spotter.start()
         try:
             profiler_start(self._logdir, options=profiler_options())
         except Exception as exc:
@@ -209,6 +213,7 @@ class trace:
         oom = oom_info(exc, logged) if exc is not None else None
         self.result._fill(events, self._fresh, self._growth, oom, dumps, text_dump,
                           logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
+        self.result.fits = self._stop_spotter()
         if oom is not None:  # a trace's OOM is an OOM: explained, and the process's last_oom()
             from ..oom.explain import explained
 
@@ -225,8 +230,13 @@ class trace:
             self._dump_env_set = False
             dump_place.release(self._dump_prefix)
 
+    def _stop_spotter(self) -> list:
+        spotter, self._spotter = self._spotter, None
+        return [] if spotter is None else spotter.stop()
+
     def _release(self) -> None:
         """Undo whatever is still held, in reverse order; safe to call on any path, twice."""
+        self._stop_spotter()
         try:
             if self._profiling:
                 self._profiling = False

@@ -18,6 +18,10 @@ from .allocator_map import AllocatorMap, Chunk
 from .events import AllocatorEvents
 from .replay import Replay, fragmentation_series
 
+# Plans a fit's XLA program (model, specs, batch size), set by the package's face (fit/plan.py's plan):
+# a traced XLA fit's buffer of temporaries is then read by Keras layer and phase.
+program_planner = None
+
 
 class Trace:
     """The allocator events of a block, per allocator, and what happened at its end."""
@@ -48,11 +52,34 @@ class Trace:
         self.notes = tuple(notes)  # what the trace had to leave out, and why
         self._replays: dict[str, Replay] = {}
         self.loaded = False
+        self.fits = []  # the Keras fits the block ran: (model's weak reference, batch size, specs)
+        self._programs_planned = False
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_replays"] = {}  # a cache, rebuilt on demand
+        state["fits"] = []  # weak references to this process's models
         return state
+
+    def _plan_programs(self) -> None:
+        """Once: the XLA programs of the fits the block ran, planned (``program_planner``) so that
+        their buffers of temporaries are read by layer and phase (oom/layers.py). A plan compiles the
+        step again (about a second in lab mode, 5-35 s on an H100); a model gone, or one whose step
+        runs as a graph, is not planned."""
+        if getattr(self, "_programs_planned", False) or program_planner is None:
+            return
+        self._programs_planned = True
+        notes = []
+        for model_ref, batch, sample in getattr(self, "fits", []):
+            model = model_ref()
+            if model is None or getattr(model, "jit_compile", None) is not True:
+                continue
+            try:
+                program_planner(model, sample, batch)
+            except Exception as exc:  # the user's model: the buffer stays named by its program
+                notes.append(f"the fit's XLA program at batch {batch:,} could not be planned "
+                             f"({type(exc).__name__}): its buffer is named by the program alone")
+        self.notes = (*self.notes, *notes)
 
     @property
     def done(self) -> bool:
@@ -235,6 +262,7 @@ class Trace:
     def by_layer(self, at: int | str | None = "peak", allocator: str | None = None, namespace: dict | None = None):
         """In-use bytes per Keras layer and phase at a moment (the peak by default): each chunk
         named by its op, memory from before the trace as its own key."""
+        self._plan_programs()
         return self.map(at, allocator).by_layer(namespace=namespace, live=not self.loaded)
 
     def fragmentation_series(self, allocator: str | None = None) -> np.ndarray:

@@ -4,7 +4,7 @@
 
 One process trains a small Keras model (about 5 s an epoch in lab mode here) (lab mode on a CPU; the first GPU with --gpu), one
 epoch per run, four ways: bare, with ``tfmem_widgets.record(window=1)`` running (host tracer
-only; its windows end every second in its own thread; the fit's own time is measured, as a
+only, its options now taken; its windows end every second in its own thread; the fit's own time is measured, as a
 cell sees it), under ``tfmem_widgets.trace()`` (host tracer only, the events read at its
 end), and under TensorFlow's profiler with its default options (device tracer on: what
 ``%%tfmem trace`` ran before), for scale. Runs rotate in rounds so a drift of the machine

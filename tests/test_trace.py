@@ -281,3 +281,41 @@ def test_leaving_out_kernel_scratch_gives_the_same_figures_whatever_kernels_run(
     peak_gap = abs(eigen["allocator"] - onednn["allocator"])
     assert abs(peak_gap - scratch_gap) <= 1024 or (scratch_gap > 1024 and peak_gap > 1024), (eigen, onednn)
     assert eigen["allocator"] >= eigen["tensors"] and onednn["allocator"] >= onednn["tensors"]
+
+
+def test_the_profiler_runs_with_the_options_the_package_passes(lab_session, tmp_path):
+    # TensorFlow 2.21 refuses every option of ProfilerOptions ("... expects an i value" on fd 2) and runs
+    # its defaults; the package's options are taken: nothing refused, and each level does what it says.
+    import glob
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from tfmem_widgets.tracing.profiler import profiler_options, profiler_start, profiler_stop
+
+    with trace() as t:
+        kept = tf.fill((1 << 16,), 1.0)
+    assert "expects" not in t.log and len(t.events()) >= 1
+    del kept
+
+    def collect(folder, **levels):
+        def named_for_this_test(n):
+            return sum(range(n))
+
+        profiler_start(str(folder), options=profiler_options(**levels))
+        for _ in range(20):
+            named_for_this_test(50)
+            tf.fill((256,), 2.0)
+        profiler_stop()
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(Path(glob.glob(f"{folder}/plugins/profile/*/*.xplane.pb")[0]).read_bytes())
+        names = {m.name for plane in space.planes for m in plane.event_metadata.values()}
+        count = sum(len(line.events) for plane in space.planes for line in plane.lines)
+        return names, count
+
+    names, _ = collect(tmp_path / "default")
+    assert "MemoryAllocation" in names and not any("named_for_this_test" in n for n in names)  # no Python tracer
+    names, _ = collect(tmp_path / "python", python_tracer_level=1)
+    assert any("named_for_this_test" in n for n in names)           # asked for, and there
+    _, count = collect(tmp_path / "none", host_tracer_level=0)
+    assert count == 0                                                 # the host tracer off: nothing at all

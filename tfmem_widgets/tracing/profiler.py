@@ -1,8 +1,17 @@
 """TensorFlow's profiler, shared by the trace and the recorder: one per process.
 
 Allocator events are host events (TraceMe at level 2 on the /host:CPU plane, a GPU's
-allocator included), so both run the profiler with the host tracer alone: no device tracer
-(CUPTI on a GPU) and no Python tracer.
+allocator included), so both run the profiler with the host tracer alone, at level 2: no device
+tracer (CUPTI on a GPU) and no Python tracer. Measured in lab mode (a Keras fit of 32 steps): level 1
+records no allocator event; level 2 all 3,680 with 23,028 other events; level 3 the same allocator
+events with 36,036 others. About 15,000 of the others at every level are the thread pool's listener,
+which the host tracer's level does not turn off.
+
+TensorFlow 2.21 ignores the options as tf.profiler.experimental.ProfilerOptions passes them: its
+wrapper reads each value of the options' dict as a bool first, and pybind11 turns any number into one,
+so each option is refused ("host_tracer_level expects an i value" on fd 2) and the profiler runs with
+its defaults (the device tracer on). A level is passed here as an int that refuses to be a bool, so
+that the wrapper reads it as the int it is (``_Level``): the options then hold (a test checks both).
 """
 
 from __future__ import annotations
@@ -11,15 +20,34 @@ import threading
 
 HOST_ONLY = dict(host_tracer_level=2, python_tracer_level=0, device_tracer_level=0)
 
+
+class _Level(int):
+    """A profiler level TensorFlow's wrapper reads as an int (it tries bool first: see above)."""
+
+    def __bool__(self):
+        raise TypeError("a profiler level is a number, not a truth value")
+
+
+class _Options:
+    """The profiler's options, as tf.profiler.experimental.start takes them (it calls _asdict())."""
+
+    def __init__(self, levels: dict[str, int]):
+        self.levels = levels
+
+    def _asdict(self) -> dict[str, int]:
+        return {name: _Level(level) for name, level in self.levels.items()}
+
+    def __repr__(self) -> str:
+        return f"profiler options {self.levels}"
+
 TRACE_LOCK = threading.Lock()  # held while a trace runs (traces cannot nest)
 _recorder = None  # the running recorder, paused while a trace runs
 
 
-def profiler_options():
-    """The profiler's options for allocator events: the host tracer alone."""
-    import tensorflow as tf
-
-    return tf.profiler.experimental.ProfilerOptions(**HOST_ONLY)
+def profiler_options(**levels: int) -> _Options:
+    """The profiler's options for allocator events: the host tracer alone at level 2 (each level can
+    be given instead: host_tracer_level, python_tracer_level, device_tracer_level)."""
+    return _Options({**HOST_ONLY, **levels})
 
 
 def running_recorder():

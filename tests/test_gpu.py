@@ -103,12 +103,15 @@ def test_logical_devices_each_preallocate_their_limit_and_force_growth_stops_it(
             jumps.append(used() - before)
         r = tfmem_widgets.report()
         print(json.dumps({"names": [n.split("device:")[-1] for n in names], "jumps": jumps,
-                          "limits": [d.limit_bytes for d in r.gpus[0].devices], "text": repr(r)}))
+                          "cards": len(tf.config.list_physical_devices("GPU")),
+                          "limits": [[d.limit_bytes for d in g.devices] for g in r.gpus], "text": repr(r)}))
         """
     pre = fresh(code, first="tfmem_widgets.setup(split=[1024, 512])")
     print(pre["text"])
-    assert pre["names"] == ["GPU:0", "GPU:1"]
-    assert pre["limits"] == [1024 * MiB, 512 * MiB]
+    cards = pre["cards"]   # the split applies to each card TensorFlow sees: two logical devices a card
+    assert cards >= 1 and pre["names"] == [f"GPU:{i}" for i in range(2 * cards)]
+    assert pre["limits"] == [[1024 * MiB, 512 * MiB]] * cards
+    # the first card's devices (each preallocates its limit); NVML's figure is of the first card alone
     assert abs(pre["jumps"][0] - 1024 * MiB) <= 8 * MiB and abs(pre["jumps"][1] - 512 * MiB) <= 8 * MiB
     grow = fresh(code, first="tfmem_widgets.setup(split=[1024, 512], force_growth=True)")
     assert all(j <= 16 * MiB for j in grow["jumps"])
@@ -119,10 +122,12 @@ def test_split_by_count_divides_what_tensorflow_may_use():
         """
         r = tfmem_widgets.setup(split=2)
         import tensorflow as tf
-        print(json.dumps({"sizes": [len(tf.config.list_logical_devices("GPU"))], "code": r.code}))
+        print(json.dumps({"sizes": [len(tf.config.list_logical_devices("GPU"))], "code": r.code,
+                          "cards": len(tf.config.list_physical_devices("GPU"))}))
         """
     )
-    assert out["sizes"] == [2] and out["code"].count("memory_limit=") == 2
+    cards = out["cards"]   # two logical devices on each card, one line of code a card
+    assert cards >= 1 and out["sizes"] == [2 * cards] and out["code"].count("memory_limit=") == 2 * cards
 
 
 def test_tensorflows_own_rules_and_ours_agree():
@@ -351,7 +356,7 @@ def test_a_keras_fit_without_xla_that_runs_out_of_a_logical_device_limit_is_expl
     assert out["raised"] == "ResourceExhaustedError" and not out["jit"]
     assert out["allocator"] == "GPU_0_bfc" and out["limit"] == 1024 * MiB
     assert out["request"] > out["largest"]
-    assert out["verdict"] == "limit" and out["capacity"] > 100 * 1024 * MiB   # the card has far more
+    assert out["verdict"] == "limit" and out["capacity"] >= 8 * out["limit"]   # the card has far more
     assert out["keys"][0] == "sequential/wider"
     assert "OOM in GPU_0_bfc" in out["shown"]
 

@@ -127,10 +127,13 @@ def _name_unnamed(unnamed, space, intern) -> None:
                 for e in line.events if e.duration_ps > 0 and not names[e.metadata_id].startswith(NOT_ACTIVITIES)
                 and only(names[e.metadata_id])]
 
-    functions = sorted(s for plane in space.planes for line in plane.lines
-                       for s in spans(plane, line, lambda name: FUNCTION.search(name) is not None))
+    def innermost_last(span):  # by begin; of two that begin together, the longer (outer) first
+        return span[0], -span[1], span[2]
+
+    functions = sorted((s for plane in space.planes for line in plane.lines
+                        for s in spans(plane, line, lambda name: FUNCTION.search(name) is not None)), key=innermost_last)
     for columns, row, plane, line, t in unnamed:
-        own = sorted(spans(plane, line))
+        own = sorted(spans(plane, line), key=innermost_last)
         enclosing = [name for begin, end, name in own if begin <= t <= end]
         running = [name for begin, end, name in functions if begin <= t <= end]
         columns["op"][row] = intern(context_label(enclosing, running))

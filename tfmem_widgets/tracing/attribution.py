@@ -12,7 +12,17 @@ import re
 
 import numpy as np
 
-from .wire import _EVENT_DURATION_PS, _EVENT_METADATA_ID, _EVENT_OFFSET_PS, _PADDING, _WIRE_VARINT, _fields, _varints
+from .wire import (
+    _EVENT_DURATION_PS,
+    _EVENT_METADATA_ID,
+    _EVENT_OFFSET_PS,
+    _EVENT_STATS,
+    _PADDING,
+    _WIRE_LEN,
+    _WIRE_VARINT,
+    _fields,
+    _varints,
+)
 
 # CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
 _XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
@@ -26,21 +36,29 @@ def context_label(enclosing: list[str], functions: list[str]) -> str:
     own = [m.group(1) for m in map(FUNCTION.search, enclosing) if m]
     running = [m.group(1) for m in map(FUNCTION.search, functions) if m]
     function = own[-1] if own else (running[-1] if running else None)
-    if any(_XLA_MARKER.search(name) for name in enclosing):
+    xla = any(_XLA_MARKER.search(name) for name in enclosing)
+    return label(xla, function, enclosing[-1] if enclosing else None)
+
+
+def label(xla: bool, function: str | None, innermost: str | None) -> str:
+    """context_label's words: an XLA program (in its tf.function), a tf.function, the innermost activity."""
+    if xla:
         return f"(XLA program in {function})" if function else "(XLA program)"
     if function:
         return f"(in {function})"
-    return f"(in {enclosing[-1]})" if enclosing else ""
+    return f"(in {innermost})" if innermost else ""
 
 
 def _activities(plane, line, only=None):
-    """(start ps, end ps, name) of the line's activities with a duration, by start; only: a
-    test on the name."""
+    """The line's activities with a duration: (begins ps, ends ps, metadata ids) as arrays ordered
+    innermost last (by begin, the longer first where two begin together), and {metadata id: name};
+    only: a test on the name."""
     names = {mid: m.name for mid, m in plane.event_metadata.items()
              if not m.name.startswith(NOT_ACTIVITIES) and (only is None or only(m.name))}
     events = line.events
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), names
     if not names or not len(events):
-        return []
+        return empty
     lengths = np.fromiter(map(len, events), dtype=np.int64, count=len(events))
     buf = np.frombuffer(b"".join([*events, _PADDING]), dtype=np.uint8)
     ends = np.cumsum(lengths)
@@ -52,38 +70,101 @@ def _activities(plane, line, only=None):
     wanted = np.array(sorted(names), dtype=np.uint64)
     pick = np.nonzero(~has_id | np.isin(first_id, wanted))[0]
     starts, ends = starts[pick], ends[pick]
-    n = len(pick)
-    meta = np.zeros(n, dtype=np.uint64)
-    offset = np.zeros(n, dtype=np.uint64)
-    duration = np.zeros(n, dtype=np.uint64)
-    for alive, field, wire, _pos, value, _size in _fields(buf, starts, ends):
-        varint = wire == _WIRE_VARINT
-        for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset), (_EVENT_DURATION_PS, duration)):
-            chosen = varint & (field == number)
-            column[alive[chosen]] = value[chosen]
-    base = int(line.timestamp_ns) * 1000
+    meta, offset, duration, odd = _leading_fields(buf, starts, ends)
+    if len(odd):  # events written in another order: each of their fields read
+        for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
+            varint = wire == _WIRE_VARINT
+            for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
+                                   (_EVENT_DURATION_PS, duration)):
+                chosen = varint & (field == number)
+                column[odd[alive[chosen]]] = value[chosen]
     keep = np.nonzero((duration > 0) & np.isin(meta, wanted))[0]
-    found = [(base + int(offset[k]), base + int(offset[k]) + int(duration[k]), names[int(meta[k])])
-             for k in keep.tolist()]
-    found.sort()
-    return found
+    base = int(line.timestamp_ns) * 1000
+    begin = base + offset[keep].astype(np.int64)
+    end = begin + duration[keep].astype(np.int64)
+    meta = meta[keep].astype(np.int64)
+    order = np.lexsort((-end, begin))
+    return (begin[order], end[order], meta[order]), names
 
 
-def _sweep(activities, times):
-    """For each time (ascending), the names of the activities covering it, outermost first:
-    one pass, keeping only the activities still open (a thread's activities nest, so few are)."""
-    out, open_, k = [], [], 0
-    for t in times:
-        while k < len(activities) and activities[k][0] <= t:
-            open_.append(activities[k])
-            k += 1
-        open_ = [a for a in open_ if a[1] >= t]
-        out.append([a[2] for a in open_])
-    return out
+def _leading_fields(buf, starts, ends):
+    """An XEvent's metadata id, offset and duration, read where protobuf writes them: its first
+    fields, in that order (a field equal to 0 is left out). (meta, offset, duration, the events
+    whose bytes hold something else before their stats: to be read field by field)."""
+    n = len(starts)
+    columns = []
+    pos = starts.copy()
+    for number in (_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS):
+        column = np.zeros(n, dtype=np.uint64)
+        here = np.nonzero(pos < ends)[0]
+        here = here[buf[pos[here]] == (number << 3 | _WIRE_VARINT)]
+        if len(here):
+            value, length = _varints(buf, pos[here] + 1)
+            column[here] = value
+            pos[here] += 1 + length
+        columns.append(column)
+    rest = pos < ends
+    # What may follow: the stats (field 4, length-delimited) alone; anything else is read in full.
+    odd = np.nonzero(rest & (buf[np.minimum(pos, len(buf) - 1)] != (_EVENT_STATS << 3 | _WIRE_LEN)))[0]
+    return (*columns, odd)
+
+
+def _parents(begin, end) -> np.ndarray | None:
+    """Each activity's parent (the innermost other one enclosing it; -1 for none), for activities in
+    _activities' order that nest, as one thread's do; None where two overlap without nesting."""
+    n = len(begin)
+    depth = np.arange(1, n + 1) - np.searchsorted(np.sort(end), begin, side="left")  # enclosing its begin
+    parent = np.full(n, -1, dtype=np.int64)
+    positions = np.arange(n)
+    for d in range(2, int(depth.max(initial=0)) + 1):
+        outer = positions[depth == d - 1]
+        inner = positions[depth == d]
+        parent[inner] = outer[np.searchsorted(outer, inner) - 1]
+    has = parent >= 0
+    if np.any(depth[~has] != 1) or np.any(end[parent[has]] < end[has]):
+        return None
+    return parent
+
+
+def _covering(begin, end, parent, times) -> np.ndarray:
+    """For each time, the innermost activity covering it (-1 for none)."""
+    if not len(begin):
+        return np.full(len(times), -1, dtype=np.int64)
+    k = np.searchsorted(begin, times, side="right") - 1
+    while True:
+        out = (k >= 0) & (end[np.maximum(k, 0)] < times)
+        if not out.any():
+            return k
+        k[out] = parent[k[out]]
+
+
+def _last_running(begin, end, times) -> np.ndarray:
+    """For each time, the last-begun of the activities covering it (they need not nest: tf.functions
+    on every thread); -1 for none."""
+    if not len(begin):
+        return np.full(len(times), -1, dtype=np.int64)
+    k = np.searchsorted(begin, times, side="right") - 1
+    reach = np.maximum.accumulate(end)  # the latest end among those begun so far
+    for _ in range(64):
+        out = (k >= 0) & (end[np.maximum(k, 0)] < times)
+        out &= reach[np.maximum(k, 0)] >= times  # none begun at or before k covers it: no answer
+        if not out.any():
+            break
+        k[out] -= 1
+    else:  # many finished ones in between: the rest one by one
+        for q in np.nonzero((k >= 0) & (end[np.maximum(k, 0)] < times))[0].tolist():
+            j = int(k[q])
+            while j >= 0 and end[j] < times[q] and reach[j] >= times[q]:
+                j -= 1
+            k[q] = j
+    return np.where((k >= 0) & (end[np.maximum(k, 0)] >= times), k, -1)
 
 
 def name_unnamed_allocations(columns, lines, intern) -> None:
-    """Give each allocation without an op the name of the activity that made it (in place)."""
+    """Give each allocation without an op the name of the activity that made it (in place): the
+    activities covering it on its own thread (innermost last), an XLA program among them, and the
+    tf.functions running then on any thread. Array operations throughout; a thread whose activities
+    do not nest is read one allocation at a time (context_label)."""
     todo = []
     for cols in columns.values():
         unnamed = np.nonzero((cols["kind"] > 0) & (cols["op"] == 0))[0]
@@ -93,26 +174,69 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         for cols in columns.values():
             cols.pop("line", None)
         return
-    functions = []
-    for plane, line in lines:
-        functions += _activities(plane, line, only=lambda name: FUNCTION.search(name) is not None)
-    functions.sort()
-    activities_of: dict[int, list] = {}
+    needed = np.unique(np.concatenate([cols["line"][unnamed] for cols, unnamed in todo])).tolist()
+    parsed = {k: _activities(*lines[k]) for k in needed}
+    # The tf.functions of every thread: from the lines parsed whole, and the others read for them alone.
+    f_begin, f_end, f_name = [], [], []
+    for k, (plane, line) in enumerate(lines):
+        (begin, end, meta), names = parsed[k] if k in parsed else _activities(
+            plane, line, only=lambda name: FUNCTION.search(name) is not None)
+        for mid in np.unique(meta).tolist():
+            match = FUNCTION.search(names[mid])
+            if match:
+                pick = meta == mid
+                f_begin.append(begin[pick])
+                f_end.append(end[pick])
+                f_name.append(np.full(int(pick.sum()), intern(match.group(1)), dtype=np.int64))
+    if f_begin:
+        fb, fe, fn = np.concatenate(f_begin), np.concatenate(f_end), np.concatenate(f_name)
+        order = np.lexsort((-fe, fb))
+        fb, fe, fn = fb[order], fe[order], fn[order]
+    else:
+        fb = fe = fn = np.zeros(0, np.int64)
     for cols, unnamed in todo:
-        times = cols["time_ns"][unnamed] * 1000
+        times = cols["time_ns"][unnamed].astype(np.int64) * 1000
         line_of = cols["line"][unnamed]
+        running = _last_running(fb, fe, times)
+        running_name = np.full(len(times), -1, dtype=np.int64)
+        running_name[running >= 0] = fn[running[running >= 0]]
         labels = np.zeros(len(unnamed), dtype=np.int64)
-        order = np.argsort(times, kind="stable")
-        running = _sweep(functions, times[order].tolist())
-        rank = np.empty(len(order), dtype=np.int64)
-        rank[order] = np.arange(len(order))  # where each allocation sits in time order
         for line_number in np.unique(line_of).tolist():
-            if line_number not in activities_of:
-                activities_of[line_number] = _activities(*lines[line_number])
-            mine = order[line_of[order] == line_number]  # this line's allocations, in time order
-            enclosing = _sweep(activities_of[line_number], times[mine].tolist())
-            for k, chain in zip(mine.tolist(), enclosing):
-                labels[k] = intern(context_label(chain, running[rank[k]]))
+            mine = np.nonzero(line_of == line_number)[0]
+            (begin, end, meta), names = parsed[line_number]
+            parent = _parents(begin, end)
+            if parent is None:  # activities that overlap without nesting: one at a time
+                spans = sorted(zip(begin.tolist(), (-end).tolist(), meta.tolist()))
+                for k in mine.tolist():
+                    t = int(times[k])
+                    chain = [names[m] for b, ne, m in spans if b <= t <= -ne]
+                    live = [intern.texts[int(running_name[k])]] if running_name[k] >= 0 else []
+                    labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
+                continue
+            ids = sorted(names)
+            is_xla = {mid: bool(_XLA_MARKER.search(names[mid])) for mid in ids}
+            fn_of = {mid: (m.group(1) if (m := FUNCTION.search(names[mid])) else None) for mid in ids}
+            xla_flag = np.array([is_xla[m] for m in meta.tolist()], dtype=bool)
+            fn_id = np.array([intern(fn_of[m]) if fn_of[m] else -1 for m in meta.tolist()], dtype=np.int64)
+            at = _covering(begin, end, parent, times[mine])
+            innermost = np.full(len(mine), -1, dtype=np.int64)
+            innermost[at >= 0] = meta[at[at >= 0]]
+            xla = np.zeros(len(mine), dtype=bool)
+            own = np.full(len(mine), -1, dtype=np.int64)
+            k = at.copy()
+            while (k >= 0).any():  # up the chain of enclosing activities, one level for all at once
+                alive = k >= 0
+                here = k[alive]
+                xla[alive] |= xla_flag[here]
+                unset = alive & (own < 0)
+                own[unset] = fn_id[k[unset]]
+                k[alive] = parent[here]
+            function = np.where(own >= 0, own, running_name[mine])
+            keys = np.stack([xla.astype(np.int64), function, innermost], axis=1)
+            unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+            words = [intern(label(bool(x), intern.texts[f] if f >= 0 else None, names[i] if i >= 0 else None))
+                     for x, f, i in unique.tolist()]
+            labels[mine] = np.asarray(words, dtype=np.int64)[inverse.reshape(-1)]
         cols["op"][unnamed] = labels.astype(cols["op"].dtype)
     for cols in columns.values():
         cols.pop("line", None)

@@ -252,6 +252,7 @@ def read_memory_columns(data: bytes | None, source: str):
             texts.append(value)
         return index
 
+    intern.texts = texts  # attribution reads a text back by its index
     parts: dict[str, list[dict[str, np.ndarray]]] = {}
     lines = []  # (plane, line) by the number memory events carry
     try:

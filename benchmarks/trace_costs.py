@@ -4,11 +4,12 @@
 
 1. A 10-step Keras fit in lab mode is traced; then, in a fresh process, the extra peak
    memory of reading its xplane.pb and rebuilding the allocator is set against the file's size.
-2. A million allocator events are recorded (a tf.function loop of 500,000 steps, each
-   making and dropping one tensor, on TensorFlow's real BFC allocator); then reading them
-   and rebuilding the pool at the end is timed, side by side with XProf's own memory-profile
-   conversion of the same xplane.pb (package tensorboard-plugin-profile), alternating, in
-   one process: medians of three each, and their ratio.
+2. Reading and rebuilding the pool at the end is timed, side by side with XProf's own
+   memory-profile conversion of the same xplane.pb (package tensorboard-plugin-profile),
+   alternating, in one process (medians of three each, and their ratio), for three traces: the
+   Keras fit above; an eager loop of 200,000 tf.fills (about 800,000 allocator events, each
+   allocation named by the op activity around it); a million allocator events of a tf.function
+   loop of 500,000 steps, each making and dropping one tensor, on TensorFlow's real BFC allocator.
 3. The memory map of the first 100,000 chunks of that trace is drawn (Agg) and timed.
 
 Each measurement runs in its own process, so one does not inflate another's memory.
@@ -44,7 +45,7 @@ def record_keras(workdir: Path) -> dict:
         import json
         with tfmem_widgets.trace(keep={str(workdir / 'keras')!r}) as t:
             model.fit(x, y, batch_size=64, epochs=1, verbose=0)    # 10 steps
-        path = __import__("glob").glob({str(workdir / 'keras')!r} + "/plugins/profile/*/*.xplane.pb")[0]
+        path = __import__("glob").glob({str(workdir / 'keras')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
                           "events": sum(len(t.events(a)) for a in t.allocators)}}))
     """))
@@ -102,7 +103,24 @@ def record_million(workdir: Path, steps: int) -> dict:
         with tfmem_widgets.trace(keep={str(workdir / 'million')!r}) as t:
             with tf.device("CPU:0"):
                 loop(tf.zeros((64,)))
-        path = glob.glob({str(workdir / 'million')!r} + "/plugins/profile/*/*.xplane.pb")[0]
+        path = glob.glob({str(workdir / 'million')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
+        print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
+                          "events": len(t.events("bfc_cpu_allocator_for_gpu"))}}))
+    """)
+
+
+def record_eager(workdir: Path, steps: int) -> dict:
+    """An eager loop of small tf.fills: each allocation's name comes from the activities around it
+    (the op's TraceMe), the case that made reading 4 times slower before it was done with arrays."""
+    return run(f"""
+        import json, glob, tfmem_widgets
+        tfmem_widgets.setup(lab_mb=256)
+        import tensorflow as tf
+        tf.fill((64,), 1.0)
+        with tfmem_widgets.trace(keep={str(workdir / 'eager')!r}) as t:
+            for _ in range({steps}):
+                tf.fill((64,), 1.0)
+        path = glob.glob({str(workdir / 'eager')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
                           "events": len(t.events("bfc_cpu_allocator_for_gpu"))}}))
     """)
@@ -180,9 +198,20 @@ def measure_all(workdir: Path, steps: int) -> None:
           f"= {memory['extra_bytes'] / keras['bytes']:.2f} x the file (the reader's first use in a process: "
           f"{memory['first_use_bytes'] / mb:.1f} MiB once)", flush=True)
 
+    timing = time_million(keras["path"])
+    print(f"Keras fit, 10 steps: read + rebuild {timing['ours']:.3f} s; XProf memory_profile conversion "
+          f"{timing['xprof']:.3f} s; ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)",
+          flush=True)
+
+    eager = record_eager(workdir, steps * 2 // 5)
+    timing = time_million(eager["path"])
+    print(f"eager loop, {eager['events']:,} allocator events (xplane.pb {eager['bytes'] / mb:.0f} MiB): "
+          f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
+          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
+
     million = record_million(workdir, steps)
     timing = time_million(million["path"])
-    print(f"{million['events']:,} allocator events (xplane.pb {million['bytes'] / mb:.0f} MiB): "
+    print(f"tf.function loop, {million['events']:,} allocator events (xplane.pb {million['bytes'] / mb:.0f} MiB): "
           f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
           f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
 

@@ -129,3 +129,60 @@ def test_allocations_without_an_op_are_named_by_the_activity_around_them(lab_ses
     labels = {events.texts[i] for i, kind in zip(events.op, events.kind) if kind > 0}
     assert "(XLA program in step)" in labels
     assert "" not in labels
+
+
+def _unnamed_space():
+    """Allocations without an op under activities on three threads: nested ones (a tf.function, an
+    XLA launch inside it), two that begin together, two that overlap without nesting, and a
+    tf.function on another thread. Times in nanoseconds, as memory events carry them."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    names = ["MemoryAllocation", "MemoryDeallocation", "__inference_step_12", "XlaLaunch", "Inner", "A", "B",
+             "__inference_other_3", "P", "Q"]
+    ids = {name: k + 1 for k, name in enumerate(names)}
+    for name, mid in ids.items():
+        plane.event_metadata[mid].id = mid
+        plane.event_metadata[mid].name = name
+    stat_ids = {"allocator_name": 1, "addr": 2, "allocation_bytes": 3, "requested_bytes": 4, "bytes_allocated": 5,
+                "peak_bytes_in_use": 6, "bytes_available": 7, "fragmentation": 8, "bfc": 9}
+    for name, mid in stat_ids.items():
+        plane.stat_metadata[mid].id = mid
+        plane.stat_metadata[mid].name = name
+    ns = 1000  # picoseconds
+    lines = {k: plane.lines.add(id=k, timestamp_ns=0) for k in (1, 2, 3)}
+    spans = {1: [("__inference_step_12", 100, 10_000), ("XlaLaunch", 200, 5_000), ("Inner", 300, 400),
+                 ("A", 12_000, 12_500), ("B", 12_000, 12_200)],
+             2: [("__inference_other_3", 15_000, 30_000)],
+             3: [("P", 50_000, 50_300), ("Q", 50_200, 50_400)]}
+    for k, items in spans.items():
+        for name, begin, end in items:
+            lines[k].events.add(metadata_id=ids[name], offset_ps=begin * ns, duration_ps=(end - begin) * ns)
+    in_use = 0
+    allocations = [(1, 350), (1, 4_500), (1, 8_000), (1, 12_100), (1, 20_000), (1, 40_000), (3, 50_250)]
+    for n, (k, t) in enumerate(allocations):
+        for kind, at in (("MemoryAllocation", t), ("MemoryDeallocation", t + 1)):
+            in_use += 256 if kind == "MemoryAllocation" else -256
+            event = lines[k].events.add(metadata_id=ids[kind], offset_ps=at * ns)
+            for name, value in (("addr", 4096 * n), ("allocation_bytes", 256), ("requested_bytes", 200),
+                                ("bytes_allocated", in_use), ("peak_bytes_in_use", 256),
+                                ("bytes_available", (1 << 20) - in_use)):
+                stat = event.stats.add(metadata_id=stat_ids[name])
+                stat.int64_value = value
+            event.stats.add(metadata_id=stat_ids["allocator_name"]).ref_value = stat_ids["bfc"]
+            event.stats.add(metadata_id=stat_ids["fragmentation"]).double_value = 0.0
+    return space.SerializeToString()
+
+
+def test_allocations_without_an_op_are_named_by_their_thread_and_the_functions_running():
+    data = _unnamed_space()
+    fast = read_xspace(data)
+    assert_same(fast, read_xspace_reference(data))
+    events = fast["bfc"]
+    labels = [events.texts[i] for i, kind in zip(events.op, events.kind) if kind > 0]
+    assert labels == ["(XLA program in step)", "(XLA program in step)", "(in step)",
+                      "(in B)",        # of two that begin together the shorter is the inner
+                      "(in other)",    # nothing around it on its thread: the tf.function another runs
+                      "",              # nothing at all
+                      "(in Q)"]        # overlapping without nesting: read one by one, the later begun

@@ -186,3 +186,41 @@ def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell):
         with pytest.raises(UsageError) as caught:
             shell.run_line_magic("tfmem", line)
         assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+TAKE = """
+import json
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=1024)
+import keras, numpy as np, tensorflow as tf
+with tfmem_widgets.trace() as t:   # from the process's start: the whole pool's layout is known
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    planned = tfmem_widgets.plan(model, (np.zeros((8, 512), "float32"), np.zeros(8, "int64")), 1024)
+    if WHOLE:   # a free 32 MiB chunk between the step's 24 MiB request and twice it, its neighbour kept
+        a = tf.zeros([8 << 20]); b = tf.zeros([8 << 20]); del a
+    else:       # a free chunk far larger than twice the request: split
+        spare = tf.zeros([384 << 18]); del spare
+    x = tf.constant(np.random.rand(1024, 512).astype("float32")); y = tf.constant(np.random.randint(0, 10, 1024))
+    model.make_train_function()
+take = planned.take_bytes(t.map(None))
+tf.config.experimental.reset_memory_stats("CPU:0")
+before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+model.train_function([(x, y)])
+measured = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+print(json.dumps({"step": planned.step_bytes, "take": take, "measured": measured, "worst": planned.worst_take_bytes}))
+"""
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["room", "no-split"])
+def test_what_the_step_takes_in_the_pool_as_it_is(whole):
+    # take_bytes reads the pool (a trace's map) the way the allocator will: best fit, whole chunks under
+    # its no-split rule. The measured step is that, plus 14 small allocations (3.5 KiB) outside the plan.
+    out = run_fresh(TAKE.replace("WHOLE", str(whole)), timeout=300)
+    assert out["step"] <= out["take"] <= out["worst"]
+    if whole:
+        assert out["take"] >= out["step"] + 4 * MiB   # the whole 30 MiB chunk for a 24 MiB request
+    else:
+        assert out["take"] == out["step"]
+    assert 0 <= out["measured"] - out["take"] <= 8 * 1024, out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ..errors import SetupError
 from ..oom.layers import LayerAnatomy, remember_program
 from ..text import LinesText
-from ..tf.allocator import GrowingPool, rounded, worst_take
+from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..units import MiB, format_bytes
 from . import hlo
 
@@ -95,6 +95,44 @@ class StepPlan(LinesText):
                 return None
         taken = [pool.take(size) for size in self.step_allocations]
         return None if None in taken else sum(taken)
+
+    def take_bytes(self, pool, limit_bytes: int | None = None) -> int | None:
+        """What the allocator hands out for the step in a pool as it is now: `pool` is an AllocatorMap
+        of this device (a trace's map at its end, the recorder's, an OOM's dump). Each of the step's
+        allocations takes the smallest free chunk that holds it (the allocator's best fit), whole where
+        its no-split rule says so; where none does and the pool grows, a new region (twice its largest,
+        as the allocator doubles them, or what the limit leaves). None: a request finds no room there,
+        so the step fails in that pool whatever its bytes."""
+        from bisect import bisect_left, insort
+
+        if not pool.complete:
+            raise SetupError("this map's layout before its trace began is unknown (a trace started after "
+                             "earlier work): its free chunks cannot be told; trace from the process's start.")
+        free = sorted(c.size for c in pool.chunks if not c.in_use)
+        limit = limit_bytes if limit_bytes is not None else (pool.limit_bytes or self.limit_bytes)
+        grow = None
+        if self.growth and limit:
+            grow = GrowingPool(int(limit))
+            grow.regions = [r.size for r in pool.regions]
+            grow.free = [0] * len(grow.regions)  # their free chunks are in `free`
+            if grow.regions:
+                grow._next = 2 * max(grow.regions)
+        total = 0
+        for size in self.step_allocations:
+            request = rounded(size)
+            k = bisect_left(free, request)
+            if k < len(free):
+                chunk = free.pop(k)
+                taken = chunk if takes_whole(chunk, size) else request
+                if taken < chunk:
+                    insort(free, chunk - taken)
+                total += taken
+                continue
+            taken = grow.take(size) if grow is not None else None
+            if taken is None:
+                return None
+            total += taken
+        return total
 
     def fits(self, limit_bytes: int | None = None, held: tuple[int, ...] = (), regions: bool | None = None) -> bool:
         """Whether the step fits under `limit_bytes` (None: the device's limit when planned): its peak

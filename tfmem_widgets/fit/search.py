@@ -192,10 +192,25 @@ class BatchSearch(LinesText):
         return int(limit_bytes * (1 - self.margin))
 
     def limit_needed_bytes(self, batch: int) -> int | None:
-        """The limit `batch` needs by the line through the peaks, with the margin kept free (None
-        without a line)."""
-        need = self.needs_bytes(batch)
+        """The limit `batch` needs with the margin kept free: from its own measured peak where a probe
+        trained at it, else by the line through the peaks (None without either)."""
+        measured = next((p.peak_bytes for p in self.fitted if p.batch == batch and p.peak_bytes), None)
+        need = measured if measured is not None else self.needs_bytes(batch)
         return None if need is None else int(need / (1 - self.margin))
+
+    def within_margin(self, limit_bytes: int) -> tuple[int | None, bool]:
+        """The batch to use at `limit_bytes` with the margin kept free, by the rule `recommended`
+        follows: up to the search's own limit, the largest batch a probe measured whose peak left the
+        margin free, below every failure (measured: True); above it, where nothing was measured, the
+        line's batch for the limit less the margin, never less than the recommended one (False)."""
+        budget = self.within_margin_bytes(limit_bytes)
+        failure = self.edge[1]
+        if self.limit_bytes is None or limit_bytes <= self.limit_bytes:
+            within = [p.batch for p in self.fitted if p.peak_bytes and p.peak_bytes <= budget
+                      and (failure is None or p.batch < failure)]
+            return (max(within) if within else None), True
+        line = self.batch_for(budget)
+        return (None if line is None else max(line, self.recommended or 0)), False
 
     def _line_batch(self, limit_bytes: int) -> int | None:
         """Where the line through the peaks meets `limit_bytes` (what the search aims at)."""

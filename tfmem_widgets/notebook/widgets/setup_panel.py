@@ -153,7 +153,8 @@ class SetupPanel(FullTextForm, w.VBox):
         return (self.lab_mb.value if self._reads_lab() else self.limit.value) * MiB
 
     def needed_limit_mb(self) -> int | None:
-        """The limit (MB) the batch in the `batch` box needs by the search's line, with its margin."""
+        """The limit (MB) the batch in the `batch` box needs with its margin: by its measured peak where
+        a probe trained at it, else by the search's line."""
         need = None if self._search is None else self._search.limit_needed_bytes(self.batch.value)
         return None if need is None else -(-need // MiB)  # whole MB
 
@@ -189,8 +190,12 @@ class SetupPanel(FullTextForm, w.VBox):
             text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
                     f"data-batch='{batch}'>{batch:,}</b> ({how})")
             if search.margin:
-                kept = search.batch_for(search.within_margin_bytes(limit))
-                text += f"; {kept:,} with a margin of {search.margin:.0%}"
+                kept, measured_kept = search.within_margin(limit)
+                if kept is None:
+                    text += f"; no batch measured left a margin of {search.margin:.0%} free"
+                else:
+                    text += (f"; {kept:,} with a margin of {search.margin:.0%} ("
+                             + ("measured: its peak left the margin free" if measured_kept else "by the line") + ")")
             lines.append(text + ".")
             largest = search.edge[0]
             measured = next((p for p in search.fitted if p.batch == largest), None)
@@ -215,7 +220,10 @@ class SetupPanel(FullTextForm, w.VBox):
             self.needs.value = ""
             self.use_needed.disabled = True
         else:
-            self.needs.value = (f"A batch of {self.batch.value:,} needs about {format_bytes(need)}: a {kind} of at "
+            peak = next((p.peak_bytes for p in search.fitted if p.batch == self.batch.value and p.peak_bytes), None)
+            need = peak if peak is not None else need
+            self.needs.value = (f"A batch of {self.batch.value:,} needs {'' if peak else 'about '}{format_bytes(need)}"
+                                f"{' (measured)' if peak else ''}: a {kind} of at "
                                 f"least <b class='tfmem-needed-mb' data-mb='{needed}'>{needed:,} MB</b>"
                                 + (f" (with the margin of {search.margin:.0%})" if search.margin else "") + ".")
             self.use_needed.disabled = False

@@ -110,13 +110,7 @@ class StepPlan(LinesText):
                              "earlier work): its free chunks cannot be told; trace from the process's start.")
         free = sorted(c.size for c in pool.chunks if not c.in_use)
         limit = limit_bytes if limit_bytes is not None else (pool.limit_bytes or self.limit_bytes)
-        grow = None
-        if self.growth and limit:
-            grow = GrowingPool(int(limit))
-            grow.regions = [r.size for r in pool.regions]
-            grow.free = [0] * len(grow.regions)  # their free chunks are in `free`
-            if grow.regions:
-                grow._next = 2 * max(grow.regions)
+        grow = GrowingPool.resumed(int(limit), [r.size for r in pool.regions]) if self.growth and limit else None
         total = 0
         for size in self.step_allocations:
             request = rounded(size)

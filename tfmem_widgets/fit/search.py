@@ -194,9 +194,20 @@ class BatchSearch(LinesText):
     def limit_needed_bytes(self, batch: int) -> int | None:
         """The limit `batch` needs with the margin kept free: from its own measured peak where a probe
         trained at it, else by the line through the peaks (None without either)."""
-        measured = next((p.peak_bytes for p in self.fitted if p.batch == batch and p.peak_bytes), None)
+        measured = self.measured_peak(batch)
         need = measured if measured is not None else self.needs_bytes(batch)
         return None if need is None else int(need / (1 - self.margin))
+
+    def measured_peak(self, batch: int) -> int | None:
+        """The peak a probe measured at `batch` where one trained there (None otherwise)."""
+        return next((p.peak_bytes for p in self.fitted if p.batch == batch and p.peak_bytes), None)
+
+    def _largest_measured_within(self, budget: float) -> int | None:
+        """The largest batch a probe trained at, below every failure, whose peak stayed within `budget`."""
+        largest = self.edge[0]
+        within = [p.batch for p in self.fitted if p.peak_bytes and p.peak_bytes <= budget
+                  and largest is not None and p.batch <= largest]
+        return max(within) if within else None
 
     def within_margin(self, limit_bytes: int) -> tuple[int | None, bool]:
         """The batch to use at `limit_bytes` with the margin kept free, by the rule `recommended`
@@ -204,11 +215,8 @@ class BatchSearch(LinesText):
         margin free, below every failure (measured: True); above it, where nothing was measured, the
         line's batch for the limit less the margin, never less than the recommended one (False)."""
         budget = self.within_margin_bytes(limit_bytes)
-        failure = self.edge[1]
         if self.limit_bytes is None or limit_bytes <= self.limit_bytes:
-            within = [p.batch for p in self.fitted if p.peak_bytes and p.peak_bytes <= budget
-                      and (failure is None or p.batch < failure)]
-            return (max(within) if within else None), True
+            return self._largest_measured_within(budget), True
         line = self.batch_for(budget)
         return (None if line is None else max(line, self.recommended or 0)), False
 
@@ -230,9 +238,7 @@ class BatchSearch(LinesText):
             return largest
         if self.limit_bytes is None:
             return max(self.low, int(largest * (1 - self.margin)))
-        budget = self.limit_bytes * (1 - self.margin)
-        within = [p.batch for p in self.fitted if p.batch <= largest and p.peak_bytes <= budget]
-        return max(within) if within else None
+        return self._largest_measured_within(self.within_margin_bytes(self.limit_bytes))
 
     @property
     def seconds(self) -> float:

@@ -95,6 +95,17 @@ class GrowingPool:
         self.free: list[int] = []  # the free tail of each region
         self._next = rounded(min(limit_bytes, first_region))
 
+    @classmethod
+    def resumed(cls, limit_bytes: int, region_sizes: list[int]) -> GrowingPool:
+        """A pool that already holds these regions (their free chunks kept apart by the caller): its
+        next region twice its largest, as the allocator doubles them."""
+        pool = cls(limit_bytes)
+        pool.regions = list(region_sizes)
+        pool.free = [0] * len(pool.regions)
+        if pool.regions:
+            pool._next = 2 * max(pool.regions)
+        return pool
+
     @property
     def pool_bytes(self) -> int:
         return sum(self.regions)

@@ -220,7 +220,7 @@ class SetupPanel(FullTextForm, w.VBox):
             self.needs.value = ""
             self.use_needed.disabled = True
         else:
-            peak = next((p.peak_bytes for p in search.fitted if p.batch == self.batch.value and p.peak_bytes), None)
+            peak = search.measured_peak(self.batch.value)
             need = peak if peak is not None else need
             self.needs.value = (f"A batch of {self.batch.value:,} needs {'' if peak else 'about '}{format_bytes(need)}"
                                 f"{' (measured)' if peak else ''}: a {kind} of at "

@@ -116,3 +116,65 @@ def test_an_xla_programs_request_is_its_temporaries_and_the_fixes_say_so():
     assert any(f.startswith("the request (420.00 MiB) is the XLA program's temporaries, asked for as one buffer: "
                             "the step needs at least in use + it, 504.00 MiB") for f in fixes)
     assert not any("one tensor of the step" in f for f in fixes)
+
+
+def _events(rows, texts):
+    """AllocatorEvents from (kind, address, size, requested, op index) rows, one microsecond apart."""
+    import numpy as np
+
+    from tfmem_widgets.tracing.events import NUMPY_TYPES, AllocatorEvents
+
+    in_use, columns = 0, {name: [] for name in NUMPY_TYPES}
+    for k, (kind, address, size, requested, op) in enumerate(rows):
+        in_use += kind * size
+        for name, value in (("time_ns", 1000 * k), ("kind", kind), ("address", address), ("size", size),
+                            ("requested", requested), ("in_use", in_use), ("peak", 0), ("available", 0),
+                            ("fragmentation", 0.0), ("op", op), ("shape", 0), ("region", 0), ("data_type", 0)):
+            columns[name].append(value)
+    arrays = {name: np.array(values, NUMPY_TYPES[name]) for name, values in columns.items()}
+    return AllocatorEvents("GPU_0_bfc", texts=texts, **arrays)
+
+
+def test_an_xla_programs_allocations_before_its_first_run_are_named_its_compiles_scratch(monkeypatch):
+    # The H100's pattern (autotuner on): the program's compilation takes hundreds of chunks from the
+    # allocator (256 MiB and 32 MiB here) under the program's own name before the first run allocates
+    # the planned buffer of temporaries; the trace's peak fell among them.
+    from tfmem_widgets.oom import layers
+
+    monkeypatch.setattr(layers, "_PROGRAMS", {})
+    program, other = "(XLA program in multi_step_on_iterator)", "(XLA program in another_function)"
+    texts = ["", program, other, "adam/zeros"]
+    rows = [(1, 0, 32 * MiB, 32 * MiB, 3),                  # a variable's slot
+            (1, 32 * MiB, 256 * MiB, 256 * MiB, 1),         # compile: the autotuner's scratch
+            (-1, 32 * MiB, 256 * MiB, 256 * MiB, 0),
+            (1, 32 * MiB, 32 * MiB, 32 * MiB, 1),
+            (-1, 32 * MiB, 32 * MiB, 32 * MiB, 0),
+            (1, 128 * MiB, 2 * MiB, 2 * MiB, 1),             # made before the run and still held: not scratch
+            (1, 32 * MiB, 80 * MiB, 83_889_192, 1),          # the first run: the planned temporaries
+            (-1, 32 * MiB, 80 * MiB, 83_889_192, 0),
+            (1, 32 * MiB, 32 * MiB, 32 * MiB, 1),            # after it: the program's own (an output)
+            (1, 64 * MiB, 8 * MiB, 8 * MiB, 2)]              # a program never planned: unchanged
+    events = _events(rows, texts)
+    assert not layers.name_compile_scratch(events)          # nothing planned: nothing renamed
+    layers.remember_program(83_889_192, {"sequential/wide": {layers.FORWARD: 1000}})
+    assert layers.name_compile_scratch(events)
+    names = [events.text(events.op, k) for k in range(len(events))]
+    scratch = "(XLA program in multi_step_on_iterator: scratch while compiling, before its first run)"
+    assert names == ["adam/zeros", scratch, "", scratch, "", program, program, "", program, other]
+    assert not layers.name_compile_scratch(events)          # once
+
+
+def test_a_chunk_of_a_past_moment_where_a_variable_lives_now_is_not_the_variable():
+    from tfmem_widgets.oom.layers import KnownVariable, OpReader, anatomy
+
+    slot = KnownVariable(0, 32 * MiB, "adam/wide_kernel_momentum", "sequential/wide", OPTIMIZER_STATE)
+    scratch = "(XLA program in multi_step_on_iterator: scratch while compiling, before its first run)"
+    at_the_peak = AllocatorMap("GPU_0_bfc", (Chunk(0, 256 * MiB, True, 256 * MiB, scratch),
+                                             Chunk(256 * MiB, 32 * MiB, True, 32 * MiB, "adam/zeros")),
+                               (Region(0, 288 * MiB),), "trace")
+    rows = anatomy(at_the_peak, variables=[slot], reader=OpReader(), live=True).rows
+    assert rows[scratch] == {OTHER: 256 * MiB} and "sequential/wide" not in rows
+    now = AllocatorMap("GPU_0_bfc", (Chunk(0, 32 * MiB, True, 32 * MiB, "adam/zeros"),), (Region(0, 32 * MiB),),
+                       "trace")
+    rows = anatomy(now, variables=[slot], reader=OpReader(), live=True).rows
+    assert rows["sequential/wide"] == {OPTIMIZER_STATE: 32 * MiB}

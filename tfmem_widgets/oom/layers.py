@@ -226,6 +226,56 @@ def known_program(request_bytes: int | None) -> dict[str, dict[str, int]] | None
     return None if request_bytes is None else _PROGRAMS.get(int(request_bytes))
 
 
+def planned_program_sizes() -> list[int]:
+    """The sizes of the buffers of temporaries planned in this process."""
+    return list(_PROGRAMS)
+
+
+COMPILE_SCRATCH = ": scratch while compiling, before its first run)"
+
+
+def name_compile_scratch(events) -> bool:
+    """An XLA program's allocations before its first run are its compilation's: XLA's GPU autotuner
+    tries kernels with buffers from the same allocator (hundreds of chunks, up to hundreds of MiB,
+    measured on an H100), named like the program's own. Where a planned buffer of temporaries
+    shows a program's first run, each allocation it made and gave back before is renamed so.
+    Returns whether any was."""
+    import numpy as np
+
+    sizes = planned_program_sizes()
+    if not sizes or not len(events):
+        return False
+    renamed = False
+    allocations = events.kind == 1
+    planned = allocations & np.isin(events.requested, sizes)
+    for k, text in enumerate(list(events.texts)):
+        if not text.startswith(XLA_PROGRAM) or text.endswith(COMPILE_SCRATCH):
+            continue
+        mine = events.op == k
+        runs = np.nonzero(mine & planned)[0]
+        if not len(runs):
+            continue
+        first = int(runs[0])
+        # scratch is given back before the program runs; what is still held then (an output made
+        # ahead of the temporaries) keeps the program's name
+        held: dict[int, int] = {}
+        scratch: list[int] = []
+        for k in range(first):
+            address = int(events.address[k])
+            if events.kind[k] == 1:
+                held[address] = k
+            else:
+                made = held.pop(address, None)
+                if made is not None and mine[made]:
+                    scratch.append(made)
+        before = np.array(sorted(scratch), dtype=np.int64)
+        if len(before):
+            events.texts.append(text[:-1] + COMPILE_SCRATCH)
+            events.op[before] = len(events.texts) - 1
+            renamed = True
+    return renamed
+
+
 def _split_program(chunk, pieces: dict[str, dict[str, int]], rows) -> None:
     """A traced XLA buffer read by its plan: live pieces by key and phase, the rest said as such."""
     live = 0
@@ -409,7 +459,9 @@ def anatomy(amap, namespace: dict | None = None, variables=None, reader: OpReade
         if not chunk.in_use:
             continue
         known = by_address.get(chunk.address)
-        if known is not None and chunk.size >= known.nbytes:
+        # a chunk of a past moment (a trace's peak) may sit where a variable lives now: it is the
+        # variable's only if it asked for the variable's bytes
+        if known is not None and chunk.size >= known.nbytes and chunk.requested in (None, known.nbytes):
             rows[known.layer][known.phase] += chunk.size
             matched += 1
             continue

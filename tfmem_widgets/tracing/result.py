@@ -80,6 +80,10 @@ class Trace:
                 notes.append(f"the fit's XLA program at batch {batch:,} could not be planned "
                              f"({type(exc).__name__}): its buffer is named by the program alone")
         self.notes = (*self.notes, *notes)
+        from ..oom.layers import name_compile_scratch
+
+        if any([name_compile_scratch(events) for events in (self._events or {}).values()]):
+            self._replays = {}  # the maps are rebuilt with the new names
 
     @property
     def done(self) -> bool:

@@ -1,11 +1,11 @@
 """The GPU paths on a real GPU: TensorFlow's GPU runtime, its BFC allocator, NVML.
 
 Each test runs in a fresh process, since device setup is fixed once TensorFlow's runtime
-starts. Only allocation and elementwise ops are used (tf.zeros / tf.fill / +), which run
-on every CUDA build. Skipped where TensorFlow sees no GPU.
+starts. The allocator's tests use only allocation and elementwise ops (tf.zeros / tf.fill / +),
+which run on every CUDA build; the Keras fits need cuBLAS. Written for any number of cards and
+any card size (read from NVML). Skipped where TensorFlow sees no GPU.
 """
 
-import subprocess
 import textwrap
 
 import pytest
@@ -268,6 +268,39 @@ def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
     assert (tmp_path / "map.png").stat().st_size > 0 and (tmp_path / "snapshot.png").stat().st_size > 0
 
 
+def test_the_package_profiles_the_host_alone_and_the_device_tracer_is_off():
+    # TensorFlow's defaults turn the device tracer (CUPTI) on; the package's options are taken, so
+    # its sessions hold no device plane, and asking for the device tracer shows the check can fail.
+    out = fresh(
+        """
+        import glob, tempfile, tensorflow as tf
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+        from tfmem_widgets.tracing.profiler import profiler_options, profiler_start, profiler_stop
+
+        def planes(**levels):
+            folder = tempfile.mkdtemp()
+            profiler_start(folder, options=profiler_options(**levels))
+            for _ in range(10):
+                x = tf.fill((1 << 20,), 1.0) + 1.0
+            float(tf.reduce_sum(x))
+            profiler_stop()
+            space = xplane_pb2.XSpace()
+            space.ParseFromString(open(glob.glob(f"{folder}/plugins/profile/*/*.xplane.pb")[0], "rb").read())
+            names = {m.name for plane in space.planes for m in plane.event_metadata.values()}
+            return [p.name for p in space.planes], "MemoryAllocation" in names
+
+        with tfmem_widgets.trace() as t:
+            tf.fill((1 << 20,), 1.0) + 1.0
+        print(json.dumps({"package": planes(), "device_on": planes(device_tracer_level=1),
+                          "log": t.log, "allocators": list(t.allocators)}))
+        """
+    )
+    package_planes, allocations = out["package"]
+    assert allocations and not [p for p in package_planes if p.startswith("/device:GPU")], package_planes
+    assert [p for p in out["device_on"][0] if p.startswith("/device:GPU")], out["device_on"]
+    assert "expects" not in out["log"] and "GPU_0_bfc" in out["allocators"]
+
+
 def test_gauge_and_panel_show_each_logical_gpu_and_the_real_card():
     out = fresh(
         """
@@ -364,40 +397,55 @@ def test_a_keras_fit_without_xla_that_runs_out_of_a_logical_device_limit_is_expl
 def test_an_xla_fit_that_runs_out_of_memory_is_explained_or_said_while_it_waits():
     # Keras' default on a GPU compiles the step with XLA. With XLA's GEMM autotuner off, a fit too big
     # for the limit raises and is explained; with it on, the autotuner is refused scratch memory again
-    # and again (10 s each, measured for minutes): the cell is told while it waits.
+    # and again (10 s each, measured for minutes): the cell is told while it waits. The two fits run
+    # side by side, each under its own 1 GiB limit, and the waiting one is stopped once it was told.
     import json
+    import re
+    import threading
 
     from conftest import start_fresh
 
     code = PRELUDE + KERAS_OOM.replace("JIT", "").replace("ROWS", "32768").replace("BATCH", "32768")
-    proc = start_fresh(code, env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"})
-    stdout, stderr = proc.communicate(timeout=240)
+    raised = start_fresh(code, env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"})
+    code = PRELUDE + KERAS_OOM.replace("JIT", "").replace("ROWS", "16384").replace("BATCH", "8192")
+    waits = start_fresh(code)
+    lines, told = [], threading.Event()
+
+    def listen():  # the waiting cell's stderr, line by line, until it was told what fits
+        for line in waits.stderr:
+            lines.append(line)
+            said = "".join(lines)
+            if "still refused" in said and "interrupt the cell and fit with batch_size=" in said:
+                told.set()
+                return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    told.wait(timeout=90)
+    waits.kill()
+    waits.wait()
+    listener.join(timeout=5)
+    said = "".join(lines)
+
+    stdout, stderr = raised.communicate(timeout=240)
     out = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
     assert out["jit"] and out["raised"] == "ResourceExhaustedError"
     assert out["allocator"] == "GPU_0_bfc" and out["request"] > out["largest"]   # XLA's "1.56GiB", read
     assert out["verdict"] == "limit"
     assert "an XLA program" in out["shown"] and "the process aborts later" in out["shown"]
     # ... as it does: TensorFlow's allocator check fails when the process frees its tensors.
-    assert proc.returncode == -6 and "bfc_allocator.cc" in stderr and "Check failed" in stderr
-    code = PRELUDE + KERAS_OOM.replace("JIT", "").replace("ROWS", "16384").replace("BATCH", "8192")
-    proc = start_fresh(code)
-    try:
-        _, said = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, said = proc.communicate()
+    assert raised.returncode == -6 and "bfc_allocator.cc" in stderr and "Check failed" in stderr
+
     assert "first: GPU_0_bfc" in said   # said while the cell still waits
     assert "still refused" in said and "--xla_gpu_autotune_level=0" in said
     # ... and within 30 s of its first refusal, what the step needs and what fits, planned on the CPU
     # from a copy of the model while the autotuner waits (the figure is printed for the record)
-    import re
-
     early = re.search(r"@([\d.]+)s tfmem: this fit's XLA step was refused memory; planned in (\d+) s", said)
     assert early, said
     print(f"told what the step needs at {early.group(1)} s of the cell, after {early.group(2)} s of plans")
-    told = said[early.start():]
-    assert "XLA's CPU program of a copy of the model" in told and "against the 1.00 GiB limit" in told
-    assert "what fits: at most batch" in told and "interrupt the cell and fit with batch_size=" in told
+    told_text = said[early.start():]
+    assert "XLA's CPU program of a copy of the model" in told_text and "against the 1.00 GiB limit" in told_text
+    assert "what fits: at most batch" in told_text and "interrupt the cell and fit with batch_size=" in told_text
 
 
 def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_the_gauge():

@@ -488,6 +488,16 @@ def libraries_label(libraries: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
+def versions_label(label: dict) -> str:
+    """E.g. 'TensorFlow 2.21.0, Keras 3.15.1, built for CUDA 12.5.1 and cuDNN 9 (the driver's CUDA 13.0)'."""
+    text = f"TensorFlow {label['tensorflow']}"
+    if "keras" in label:
+        text += f", Keras {label['keras']}, built for CUDA {label['cuda']} and cuDNN {label['cudnn']}"
+    if "driver_cuda" in label:
+        text += f" (the driver's CUDA {label['driver_cuda']})"
+    return text
+
+
 def _environment_label(libraries: bool = False) -> dict:
     """The card, its driver, TensorFlow's version and the date; with `libraries`, which math
     libraries were real (read in a fresh process, for recordings)."""
@@ -497,8 +507,17 @@ def _environment_label(libraries: bool = False) -> dict:
 
     gpu = nvml.read_gpus()[0]
     driver = nvml._nvml().nvmlSystemGetDriverVersion()
+    import keras
+
+    build = tf.sysconfig.get_build_info()
     label = {"device": gpu.name, "driver": driver if isinstance(driver, str) else driver.decode(),
-             "tensorflow": tf.__version__, "date": _dt.date.today().isoformat()}
+             "tensorflow": tf.__version__, "keras": keras.__version__, "cuda": build.get("cuda_version", "?"),
+             "cudnn": build.get("cudnn_version", "?"), "date": _dt.date.today().isoformat()}
+    try:
+        cuda = int(nvml._nvml().nvmlSystemGetCudaDriverVersion())
+        label["driver_cuda"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+    except Exception:  # an older driver: its CUDA version is not said
+        pass
     if libraries:
         label["libraries"] = run_fresh(_LIBRARIES_CODE, returns=["libraries"], echo=False).values["libraries"]
     return label
@@ -517,12 +536,12 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     if live:
         label = _environment_label()
         output, values = run_experiment(name)
-        source = f"live on {label['device']}, TensorFlow {label['tensorflow']}"
+        source = f"live on {label['device']}, {versions_label(label)}"
         return GpuResult(name, title, source, output, values, True)
     recorded = json.loads(RECORDED.read_text())
     entry = recorded["experiments"][name]
     label = recorded["environment"]
-    source = (f"recorded on {label['device']} (driver {label['driver']}), TensorFlow {label['tensorflow']}, "
+    source = (f"recorded on {label['device']} (driver {label['driver']}), {versions_label(label)}, "
               f"{label['date']}; {libraries_label(label['libraries'])}: no GPU here, so not run live")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)
 

@@ -178,3 +178,22 @@ def test_a_chunk_of_a_past_moment_where_a_variable_lives_now_is_not_the_variable
                        "trace")
     rows = anatomy(now, variables=[slot], reader=OpReader(), live=True).rows
     assert rows["sequential/wide"] == {OPTIMIZER_STATE: 32 * MiB}
+
+
+def test_a_gpu_models_step_is_planned_from_its_cpu_copy_never_on_the_refused_card(monkeypatch):
+    # On an H100 (1 GiB limit, a jit_compile=False fit's OOM) the report's plan compiled the step on the
+    # full card and its GEMM autotuner was refused for minutes: a model on a GPU is planned from its CPU
+    # copy. Here the one seam, where the model's variables live, says a GPU.
+    import keras
+    import numpy as np
+
+    from tfmem_widgets.fit import need
+    from tfmem_widgets.oom.fit_context import FitContext
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile("adam", "mse", jit_compile=False)
+    monkeypatch.setattr(need, "device_of", lambda m: "GPU:0" if m is model else "CPU:0", raising=False)
+    fit = FitContext(model, 64, (np.ones((2, 8), "float32"), np.ones((2, 4), "float32")))
+    found = need.step_need(fit, 64 * MiB, seconds=5)
+    assert found.source == "cpu plan" and found.estimate and found.peak_bytes, found
+    assert "XLA's CPU program of a copy of the model: an estimate of its GPU program" in "\n".join(found.lines("64 MiB"))

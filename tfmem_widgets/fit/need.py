@@ -21,7 +21,9 @@ the GPU's for a Dense model, 11-25% more for attention, 1.9 times for a convolut
 names is on the safe side; the GPU's own plans equalled the measured steps (0.0007% at most). On the
 H100 (autotuner on) the GPU tests' Dense fit was told what its step needs 24.7 s after its script
 started; an attention fit at batch 16,384 got its need (160 GiB, at most batch 7,736) from 16 s of
-plans, where its cell ended after 95 s in an InternalError.
+plans, where its cell ended after 95 s in an InternalError. ``step_need`` plans a GPU model the same
+way after its OOM was raised (a graph fit's, jit_compile=False): the refused card's limit is still
+full, and a plan there hung the report for minutes in the autotuner's refused requests (an H100, 1 GiB).
 """
 
 from __future__ import annotations
@@ -64,23 +66,37 @@ def cpu_copy(model):
     return copy
 
 
+def device_of(model) -> str:
+    """Where the model's variables live, in short form: 'CPU:0' (lab mode), 'GPU:0'. A model on any
+    device but a CPU is planned from its CPU copy (``from_cpu_copy``)."""
+    from ..tf.devices import resolve_device
+    from .plan import _device_of
+
+    return resolve_device(_device_of(model)).name
+
+
 def early_need(fit: FitContext, *, seconds: float = EARLY_SECONDS) -> StepNeed:
     """What the fit's step needs and the batch that fits, planned while the fit still waits on a
     refused request: on the device its variables live on when that is a CPU (lab mode), else from a
     CPU copy of the model (an estimate of the GPU's program), against that device's limit."""
+    from ..tf.limits import limit_of
+
+    return step_need(fit, limit_of(device_of(fit.model)).bytes, seconds=seconds)
+
+
+def from_cpu_copy(fit: FitContext, device: str, limit_bytes: int | None, *, seconds: float) -> StepNeed:
+    """What the step of a model on `device` (a GPU) needs, planned by XLA's CPU compiler from a copy
+    of the model (``cpu_copy``) and judged as `device`'s pool would hold it, against `limit_bytes`
+    (None: the device's limit): never compiled on the device, whose autotuner a full limit refuses."""
     from dataclasses import replace
 
     import tensorflow as tf
 
     from ..tf.allocator import allocator_of_device
-    from ..tf.devices import resolve_device
     from ..tf.limits import allocator_growth, limit_of
-    from .plan import _device_of, plan
+    from .plan import plan
 
-    device = resolve_device(_device_of(fit.model)).name
-    limit = limit_of(device).bytes
-    if device.startswith("CPU"):
-        return step_need(fit, limit, seconds=seconds)
+    limit = limit_of(device).bytes if limit_bytes is None else limit_bytes
     started = time.perf_counter()
     try:
         copy = cpu_copy(fit.model)
@@ -99,8 +115,9 @@ def early_need(fit: FitContext, *, seconds: float = EARLY_SECONDS) -> StepNeed:
 
 def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None = None, planner=None) -> StepNeed:
     """The planned peak of the fit's step at its batch, and the largest batch whose plan fits
-    `limit_bytes` (the device's limit when None) in a fresh process. planner: plan (None), or one
-    that plans elsewhere."""
+    `limit_bytes` (the device's limit when None) in a fresh process. planner: plan (None; a model
+    whose variables live on a GPU is planned from its CPU copy, ``from_cpu_copy``), or one that
+    plans elsewhere."""
     from .plan import plan
     from .plan_search import largest_below
 
@@ -110,6 +127,8 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     if fit.replicas != 1:
         return StepNeed(fit.batch_size, note=f"a fit on {fit.replicas} replicas: plans are of one device's step; "
                         "plan one replica's batch with tfmem_widgets.plan")
+    if planner is None and not (device := device_of(fit.model)).startswith("CPU"):
+        return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()
     try:
         failing = plan(fit.model, fit.sample, fit.batch_size)

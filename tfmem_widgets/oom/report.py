@@ -29,7 +29,8 @@ XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inco
 # A compiled step's OOM on a CPU (lab mode): its kernels' scratch buffers come from the same
 # allocator, sized by the processor's caches, and its ops run on several threads in an order
 # that differs between runs.
-CPU_STEP_NOTE = ("a compiled step on a CPU: its kernels' scratch buffers (sized by this processor's caches) and "
+CPU_STEP_NOTE = ("a compiled step on a CPU: the temporary buffers its kernels ask of the allocator (which kernel "
+                 "runs depends on this processor) and "
                  "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "
                  "these differ between runs and CPUs; the request and the variables' bytes do not")
 
@@ -39,7 +40,7 @@ class StepNeed:
     """What the failing step needs and the batch that fits, in terms of the step (fit/need.py).
 
     source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), 'cpu
-    plan' (the same, of a CPU copy of a GPU model, planned while its fit waited: an estimate), or
+    plan' (the same, of a CPU copy of a GPU model, never planned on the refused card: an estimate), or
     'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
     the least the step needs; no plan is made in its process after it, and no batch is guessed: a
     scaled one was far off in lab mode, where the fit's data, regions and the step's fixed bytes
@@ -61,8 +62,8 @@ class StepNeed:
     def lines(self, limit_text: str) -> list[str]:
         out = []
         if self.peak_bytes is not None:
-            how = ("XLA's CPU program of a copy of the model, planned while the fit waited: an estimate of its "
-                   "GPU program" if self.source == "cpu plan" else
+            how = ("XLA's CPU program of a copy of the model: an estimate of its GPU program"
+                   if self.source == "cpu plan" else
                    "XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
                    if self.estimate else "XLA's plan of this step" if self.source == "plan" else
                    "in use + the XLA program's one buffer of temporaries")

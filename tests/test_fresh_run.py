@@ -145,6 +145,9 @@ def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_fro
     assert not result.live
     assert f"recorded on {env['device']}" in repr(result) and env["tensorflow"] in repr(result)
     assert env["date"] in repr(result)
+    # ... with the Keras version and the CUDA and cuDNN TensorFlow was built for, and the driver's CUDA
+    for key in ("keras", "cuda", "cudnn", "driver_cuda"):
+        assert env[key] and str(env[key]) in repr(result), key
     # The figures agree with the text printed next to them: the 1024 MB logical device took
     # its whole limit although growth was asked.
     assert result.values["nvml_delta"] >= 1000 << 20

@@ -61,7 +61,7 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
     # of the same setup (the probe joins the search). Without one it is the edge itself, which the next process
     # can miss: fresh-clone CI saw 5,890 train and then run out of memory (fragmentation) in another process;
     # and the line's 10% margin (5,094) ran out of memory here too.
-    # (The edge itself where its own peak already left 10% free: edges from 4,739 to 6,082 were seen.)
+    # (The edge itself where its own peak already left 10% free: edges from 4,739 to 6,219 were seen.)
     search.margin = 0.1
     recommended, count = search.recommended, len(search.probes)
     assert recommended <= safe

@@ -264,3 +264,87 @@ def test_a_gauge_interval_is_checked_where_it_is_given(lab_session, interval):
         Gauge(interval=interval)
     assert "\n" not in str(info.value) and "interval" in str(info.value)
     assert sampler.subscriber_count == subscribers
+
+
+# -- the recorder: Ctrl-C while a window ends on the main thread, or while it stops ------------
+
+recorder_module = importlib.import_module("tfmem_widgets.tracing.recorder")
+RECORDER_STEPS = Steps([recorder_module])
+
+
+def _records_now(recorder) -> bool:
+    """An allocation made now is in the recorder's next window."""
+    import tensorflow as tf
+
+    before = recorder.events
+    with tf.device("CPU:0"):
+        made = tf.fill((1 << 12,), 1.0)
+    del made
+    recorder.roll()
+    return recorder.events > before
+
+
+def test_ctrl_c_at_each_step_of_a_window_ending_on_the_main_thread_leaves_it_recording(warm, monkeypatch, tmp_path):
+    # An OOM report rolls the recorder's window on the main thread: a Ctrl-C there used to leave the
+    # profiler stopped while the recorder said "recording" and recorded nothing.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the recorder's folders, and only them
+    recorder = recorder_module.record(window=3600)
+    try:
+        assert _records_now(recorder)
+        sites = RECORDER_STEPS.sites(recorder.roll)
+        assert any(site[3] == "read_xplane_file" for site in sites) and any(site[3] == "profiler_stop" for site in sites)
+        for site in sites:
+            assert RECORDER_STEPS.interrupt(recorder.roll, site), site
+            assert recorder.running and recorder._profiling and profiler_running(), site
+            assert len(leftovers("tfmem-record-*")) == 1, site      # the window running now, no other
+            assert "recording" in repr(recorder) and _records_now(recorder), site
+    finally:
+        recorder_module.stop()
+    assert not profiler_running() and not leftovers("tfmem-record-*")
+
+
+def test_ctrl_c_at_each_step_of_stopping_the_recorder_leaves_the_profiler_stopped_or_owned(warm, monkeypatch, tmp_path):
+    # A Ctrl-C during %tfmem record stop used to leave TensorFlow's profiler running with no recorder
+    # to stop it: record and traces refused until a restart, the window's folder left behind.
+    import tensorflow as tf
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the recorder's folders, and only them
+
+    recorder_module.record(window=3600)
+    stop_sites = RECORDER_STEPS.sites(recorder_module.stop)
+    assert any(site[3] == "join" for site in stop_sites) and any(site[3] == "stop" for site in stop_sites)
+    for site in stop_sites:
+        recorder = recorder_module.record(window=3600)
+        assert RECORDER_STEPS.interrupt(recorder_module.stop, site), site
+        owned = recorder_module.current() is recorder and recorder._profiling
+        assert profiler_running() == owned, site                  # running only while its recorder says so
+        assert len(leftovers("tfmem-record-*")) == int(owned), site
+        recorder_module.stop()
+        assert not profiler_running() and not leftovers("tfmem-record-*"), site
+        with trace() as t:  # the profiler is free: a trace runs
+            with tf.device("CPU:0"):
+                tf.zeros((8,))
+        assert t.allocators, site
+
+
+def test_a_recorder_still_running_when_its_process_ends_leaves_no_folder(lab_session, tmp_path):
+    # A recorder never stopped, its windows rolling every second while the process exits: a Python
+    # process that ends (a kernel shut down), and a fresh process of the package (it ends with os._exit).
+    import subprocess
+    import sys
+
+    code = ("import time\nimport tfmem_widgets\ntfmem_widgets.setup(lab_mb=64)\nimport tensorflow as tf\n"
+            "recorder = tfmem_widgets.record(window=1)\nx = tf.fill((1 << 16,), 1.0)\ntime.sleep(2.5)\n"
+            "windows = recorder.windows\nprint('windows', windows)\n")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(plain)})
+    assert done.returncode == 0 and "windows" in done.stdout, done.stderr[-2000:]
+    assert not list(plain.glob("tfmem-record-*"))
+    child = tmp_path / "fresh"
+    child.mkdir()
+    run = run_fresh(code.replace("tfmem_widgets.setup(lab_mb=64)\n", ""), setup={"lab_mb": 64},
+                    env={"TMPDIR": str(child)}, returns=["windows"], echo=False)
+    assert run.values["windows"] >= 1
+    assert not list(child.glob("tfmem-record-*"))

@@ -37,7 +37,9 @@ _NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|\d{4}-\d\d-\d
 _PYTHON_TEXT = re.compile(r"^(?:Traceback|\s+File |\S+\.py:\d+: |[A-Za-z_][\w.]*(?:Error|Warning|Exception)\b|tfmem[: ])")
 # The child ends as soon as its results are written: a thread the cell left running, or a slow
 # exit of TensorFlow's, cannot hold the results back until the timeout.
+# A recorder the cell left running is stopped first (os._exit runs no atexit): its folder goes with it.
 _CHILD = ("import os, sys\nfrom tfmem_widgets.notebook.fresh_child import main\ncode = main(sys.argv[1])\n"
+          "try:\n    from tfmem_widgets.tracing.recorder import stop\n    stop()\nexcept Exception:\n    pass\n"
           "sys.stdout.flush(); sys.stderr.flush()\nos._exit(code)\n")
 
 

@@ -47,14 +47,20 @@ class Recorder:
 
     # -- the profiler's windows ------------------------------------------------------------
     def _start_window(self) -> None:
-
         self._logdir = tempfile.mkdtemp(prefix="tfmem-record-")
         self._window_start_ns = time.time_ns()  # the profiler's times count from its start
         try:
             profiler_start(self._logdir, options=profiler_options())
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C: the profiler may have started just before it
+                try:
+                    profiler_stop()
+                except Exception:
+                    pass
             shutil.rmtree(self._logdir, ignore_errors=True)
             self._logdir = None
+            if not isinstance(exc, Exception):
+                raise
             raise SetupError(f"the recorder could not start TensorFlow's profiler ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); is another profiler or trace running?"
                              ) from None
@@ -69,20 +75,22 @@ class Recorder:
 
         if not self._profiling:
             return
-        self._profiling = False
-        try:
+        try:  # an interrupt before this returns changes nothing: the window goes on
             profiler_stop()
         except Exception as exc:
             self.notes.append(f"a window was lost: the profiler was stopped elsewhere ({type(exc).__name__})")
+        self._profiling = False
         logdir, self._logdir = self._logdir, None
-        try:
-            for path in glob.glob(os.path.join(glob.escape(logdir), "plugins", "profile", "*", "*.xplane.pb")):
-                for name, events in read_xplane_file(path).items():
-                    self._fold(name, events, until_ns)
-        except Exception as exc:  # a window that cannot be read costs its names, never the user's cell
-            self.notes.append(f"a window could not be read ({type(exc).__name__}: {exc})")
+        try:  # an interrupt from here on (Ctrl-C while an OOM report rolls the window) leaves no folder
+            try:
+                for path in glob.glob(os.path.join(glob.escape(logdir), "plugins", "profile", "*", "*.xplane.pb")):
+                    for name, events in read_xplane_file(path).items():
+                        self._fold(name, events, until_ns)
+            except Exception as exc:  # a window that cannot be read costs its names, never the user's cell
+                self.notes.append(f"a window could not be read ({type(exc).__name__}: {exc})")
         finally:
-            shutil.rmtree(logdir, ignore_errors=True)
+            if logdir is not None:
+                shutil.rmtree(logdir, ignore_errors=True)
         self.windows += 1
 
     def _fold(self, name: str, events, until_ns: int | None = None) -> None:
@@ -124,9 +132,11 @@ class Recorder:
         with self._lock:
             if not self._profiling or self._paused:
                 return
-            self._end_window(until_ns)
-            if not self._stop_event.is_set():
-                self._start_window()
+            try:
+                self._end_window(until_ns)
+            finally:  # interrupted or not, a running recorder records: the next window starts
+                if not self._stop_event.is_set() and not self._profiling:
+                    self._start_window()
 
     def _run(self) -> None:
         while not self._stop_event.wait(self.window):
@@ -148,12 +158,14 @@ class Recorder:
 
     def stop(self) -> None:
         self._stop_event.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._lock:
-            self._end_window()
-        if running_recorder() is self:  # the profiler is free again: the user's sessions too
-            set_recorder(None)
+        try:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join()
+        finally:  # Ctrl-C while waiting for the thread: the profiler is stopped all the same
+            with self._lock:
+                self._end_window()
+            if running_recorder() is self:  # the profiler is free again: the user's sessions too
+                set_recorder(None)
 
     @property
     def running(self) -> bool:
@@ -208,9 +220,8 @@ def stop() -> Recorder | None:
     """Stop the recorder (if one runs) and return it."""
     with _current_lock:
         recorder = running_recorder()
-        set_recorder(None)
     if recorder is not None:
-        recorder.stop()
+        recorder.stop()  # it lets the profiler go only once it is stopped: never one left with no owner
     return recorder
 
 

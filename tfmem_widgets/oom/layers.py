@@ -248,10 +248,10 @@ def name_compile_scratch(events) -> bool:
     renamed = False
     allocations = events.kind == 1
     planned = allocations & np.isin(events.requested, sizes)
-    for k, text in enumerate(list(events.texts)):
+    for index, text in enumerate(list(events.texts)):
         if not text.startswith(XLA_PROGRAM) or text.endswith(COMPILE_SCRATCH):
             continue
-        mine = events.op == k
+        mine = events.op == index
         runs = np.nonzero(mine & planned)[0]
         if not len(runs):
             continue
@@ -260,10 +260,10 @@ def name_compile_scratch(events) -> bool:
         # ahead of the temporaries) keeps the program's name
         held: dict[int, int] = {}
         scratch: list[int] = []
-        for k in range(first):
-            address = int(events.address[k])
-            if events.kind[k] == 1:
-                held[address] = k
+        for j in range(first):
+            address = int(events.address[j])
+            if events.kind[j] == 1:
+                held[address] = j
             else:
                 made = held.pop(address, None)
                 if made is not None and mine[made]:

@@ -256,19 +256,14 @@ def name_compile_scratch(events) -> bool:
         if not len(runs):
             continue
         first = int(runs[0])
-        # scratch is given back before the program runs; what is still held then (an output made
-        # ahead of the temporaries) keeps the program's name
-        held: dict[int, int] = {}
-        scratch: list[int] = []
-        for j in range(first):
-            address = int(events.address[j])
-            if events.kind[j] == 1:
-                held[address] = j
-            else:
-                made = held.pop(address, None)
-                if made is not None and mine[made]:
-                    scratch.append(made)
-        before = np.array(sorted(scratch), dtype=np.int64)
+        # Scratch is given back before the program runs; what is still held then (an output made ahead
+        # of the temporaries) keeps the program's name. At one address allocations and frees alternate:
+        # an allocation was given back before the run where the next event at its address is a free.
+        order = np.lexsort((np.arange(first), events.address[:first]))
+        address, kind = events.address[:first][order], events.kind[:first][order]
+        freed = np.zeros(first, dtype=bool)
+        freed[order[:-1]] = (address[1:] == address[:-1]) & (kind[1:] < 0)
+        before = np.nonzero(mine[:first] & allocations[:first] & freed)[0]
         if len(before):
             events.texts.append(text[:-1] + COMPILE_SCRATCH)
             events.op[before] = len(events.texts) - 1

@@ -268,6 +268,38 @@ def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
     assert (tmp_path / "map.png").stat().st_size > 0 and (tmp_path / "snapshot.png").stat().st_size > 0
 
 
+def test_a_plan_with_the_fits_data_on_the_gpu_meets_the_probes_measured_peak():
+    # A probe fits on make_batch's arrays made into a dataset: on a GPU they become a constant on the
+    # device, beside the step's own copy of the batch. The plan search counts that share, measured.
+    out = fresh(
+        """
+        tfmem_widgets.setup(growth=True)
+        import keras, numpy as np, tensorflow as tf
+        from tfmem_widgets.fit.plan_search import data_on_device
+        from tfmem_widgets.fit.probe import probe_dataset
+        def make_batch(n):
+            return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                                  keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+        model.compile("adam", "mse", jit_compile=True)
+        share = data_on_device(make_batch, model)
+        planned = tfmem_widgets.plan(model, make_batch(8), 32768)
+        held = sum(int(size * share) for size in planned.batch_sizes)
+        tf.config.experimental.reset_memory_stats("GPU:0")
+        before = tf.config.experimental.get_memory_info("GPU:0")["current"]
+        model.fit(probe_dataset(make_batch(32768), 2), epochs=1, verbose=0)
+        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] - before
+        print(json.dumps({"share": share, "step": planned.step_bytes, "batch": planned.batch_bytes,
+                          "resident": planned.resident_bytes, "held": held, "peak": peak}))
+        """,
+        env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
+    )
+    print(out)
+    assert abs(out["share"] - 1.0) < 0.01   # the arrays, once, on the device
+    planned = out["resident"] + out["batch"] + out["step"] + out["held"]
+    assert abs(out["peak"] - planned) <= 0.01 * out["peak"]
+
+
 def test_the_package_profiles_the_host_alone_and_the_device_tracer_is_off():
     # TensorFlow's defaults turn the device tracer (CUPTI) on; the package's options are taken, so
     # its sessions hold no device plane, and asking for the device tracer shows the check can fail.

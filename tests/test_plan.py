@@ -171,6 +171,42 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
         tfmem_widgets.max_batch_size(build_model, make_batch, method="guess")
 
 
+PROBE_DATA = """
+import json, tfmem_widgets
+tfmem_widgets.setup(lab_mb=1024)
+import keras, numpy as np, tensorflow as tf
+from tfmem_widgets.fit.plan_search import data_on_device
+from tfmem_widgets.fit.probe import probe_dataset
+def make_batch(n):
+    return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=True)
+share = data_on_device(make_batch, model)
+with tf.device("CPU:0"):
+    spare = tf.zeros([700 << 18]); del spare
+rows = []
+for n in (2048, 4096):
+    planned = tfmem_widgets.plan(model, make_batch(8), n)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(probe_dataset(make_batch(n), 2), epochs=1, verbose=0)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    rows.append({"share": share, "plan": planned.step_bytes + planned.batch_bytes, "peak": peak})
+print(json.dumps(rows))
+"""
+
+
+def test_the_probes_data_is_the_steps_batch_in_lab_mode_so_the_plan_search_adds_nothing():
+    # In lab mode the probe's dataset holds make_batch's arrays once in the allocator and the step reads
+    # them in place: the fit's peak (the optimizer's slots built by the plan already) is the plan's batch
+    # and step to within a few KiB. On a GPU a second copy sits on the device (tests/test_gpu.py).
+    rows = run_fresh(PROBE_DATA, timeout=300)
+    for row in rows:
+        assert row["share"] == 0.0
+        assert abs(row["peak"] - row["plan"]) <= 16 * 1024, row
+
+
 def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell):
     shell.run_cell(MODELS + "\nplanned_model, planned_sample, _ = dense()\n"
                    "planned_model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True), "

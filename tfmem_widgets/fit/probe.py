@@ -78,10 +78,18 @@ def _check_batch(data, batch: int) -> str | None:
     return None
 
 
+def probe_dataset(data, steps: int):
+    """The data a probe fits on: make_batch's arrays as one element, repeated for each step (Keras'
+    array adapter makes its dataset with from_tensors too). On a GPU the arrays become a constant on
+    the device, held through the fit besides the step's own copy of the batch (fit/plan_search.py)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
+
+
 def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
     """In the probe's process: build, make the batch, fit `steps` steps of it, measure."""
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
-    import tensorflow as tf  # after the setup, which ran first
 
     from ..oom.explain import explain_exception
     from ..oom.message import is_oom
@@ -112,7 +120,7 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
         # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
         # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
         # a 16000 MB limit, fit at the same batch ran out of memory).
-        steps_data = tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
+        steps_data = probe_dataset(data, steps)
     except Exception as exc:
         return ProbeRefused(f"make_batch({batch}) returned what a tf.data.Dataset cannot hold "
                             f"({type(exc).__name__}: {cause_line(exc)}); return arrays or tensors")

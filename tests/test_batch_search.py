@@ -264,3 +264,49 @@ def test_the_batch_magic_needs_both_functions_and_changes_no_name(shell):
     with pytest.raises(UsageError) as caught:
         shell.run_cell_magic("tfmem", "batch --margin 2", "def build_model(): pass\n")
     assert "--margin" in str(caught.value)
+
+
+def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_without_a_probe():
+    # A search's figures (no process): a failure known from a plan, not probed, bounds the edge like one.
+    search = BatchSearch([Probe(1, 30 * MiB, 1.0), Probe(3000, 100 * MiB, 1.0)], 1, 8192, 2, 0.0, 0.02,
+                         limit_bytes=128 * MiB, limit_source="logical device limit", where="GPU:0")
+    assert search.edge == (3000, None)
+    search.planned_failure = 3050
+    assert (search.largest, search.first_failure, search.edge) == (3000, 3050, (3000, 3050))
+    assert search.failed == [] and "3,050 does not fit by its plan (not probed)" in repr(search)
+    search.probes.append(Probe(3050, None, 2.0, "limit", 8 * MiB))  # probed after all: said as measured
+    assert search.edge == (3000, 3050) and "3,050 ran out of memory" in repr(search)
+
+
+def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_to_fit(monkeypatch, tmp_path):
+    # The planning process (a fresh TensorFlow process, on a GPU in this case) is the seam: what it returns
+    # is given here; the decision after it is the real code. A preallocated GPU pool (a logical device
+    # limit) judges a plan by its bytes, and a step never takes less than its plan.
+    from types import SimpleNamespace
+
+    import tfmem_widgets.fit.fresh as fresh
+    from tfmem_widgets.fit.plan_search import DONE, UP, PlanSearch, plan_first
+    from tfmem_widgets.fit.progress import LineProgress
+
+    def searched(proven):
+        found = PlanSearch(117_000, 119_000, [], 30.0, True, 2000 * 1_000_000, "logical device limit",
+                           proven_failure=proven, proven_bytes=None if proven is None else 2_001_000_000)
+        monkeypatch.setattr(fresh, "run_checked", lambda *a, **k: SimpleNamespace(values={"found": found}))
+        search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
+        probed = []
+
+        def probe_one(batch):
+            probed.append(batch)
+            probe = Probe(batch, 1_900_000_000, 15.0) if batch <= 117_000 else Probe(batch, None, 25.0, "limit")
+            search.probes.append(probe)
+            return probe
+
+        probe_one.path = tmp_path / "functions.pickle"
+        return search, plan_first(search, probe_one, LineProgress(quiet=True), auto=False), probed
+
+    search, then, probed = searched(119_000)
+    assert (then, probed, search.edge) == (DONE, [117_000], (117_000, 119_000))
+    assert "batch 119,000 was not probed: its plan needs 1.86 GiB by its bytes alone" in repr(search)
+    search, then, probed = searched(None)  # an autotuner or the pool's regions decide: the probe past it runs
+    assert (then, probed, search.edge) == (DONE, [117_000, 119_340], (117_000, 119_340))
+    assert then != UP and search.planned_failure is None

@@ -33,6 +33,7 @@ import time
 from ..errors import SetupError
 from ..oom.fit_context import FitContext
 from ..oom.report import StepNeed
+from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
 
 NEED_SECONDS = 60.0  # plans after an OOM stop after this long, with what is known by then
 # Keras' input pipeline ends in prefetch(AUTOTUNE): in lab mode (2 cores) a fit held 4 batches ahead
@@ -64,15 +65,6 @@ def cpu_copy(model):
     if getattr(copy, "optimizer", None) is None:
         raise SetupError("plan: the model's copy on the CPU has no optimizer (a compile Keras cannot repeat)")
     return copy
-
-
-def device_of(model) -> str:
-    """Where the model's variables live, in short form: 'CPU:0' (lab mode), 'GPU:0'. A model on any
-    device but a CPU is planned from its CPU copy (``from_cpu_copy``)."""
-    from ..tf.devices import resolve_device
-    from .plan import _device_of
-
-    return resolve_device(_device_of(model)).name
 
 
 def early_need(fit: FitContext, *, seconds: float = EARLY_SECONDS) -> StepNeed:

@@ -63,6 +63,12 @@ class StepPlan(LinesText):
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def same_program_anywhere(self) -> bool:
+        """The program compiles the same in any process with these flags: no autotuner chooses its kernels
+        by timing them (XLA on a CPU, or a GPU's autotuner off), so its buffers are the plan's."""
+        return self.autotuning.startswith(("none", "off"))
+
+    @property
     def estimate(self) -> bool:
         """The model runs its step without XLA: the plan is the XLA program's, not the one fit runs."""
         return self.jit_compile is not True
@@ -211,6 +217,13 @@ class StepPlan(LinesText):
         ax.set_title(f"train step at batch {self.batch_size:,}" + (" (estimate)" if self.estimate else ""))
         ax.legend(loc="lower right", fontsize=7)
         return ax
+
+
+def device_of(model) -> str:
+    """Where the model's variables live, in short form: 'CPU:0' (lab mode), 'GPU:0'."""
+    from ..tf.devices import resolve_device
+
+    return resolve_device(_device_of(model)).name
 
 
 def _xla_settings(device: str) -> tuple[str, str]:

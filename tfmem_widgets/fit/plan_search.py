@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import SetupError
-from .plan import StepPlan, plan
+from .plan import StepPlan, device_of, plan
 
 
 @dataclass
@@ -33,6 +33,11 @@ class PlanSearch:
     limit_bytes: int | None = None
     limit_source: str = ""
     notes: list[str] = field(default_factory=list)
+    # `failure`'s plan, where its bytes alone (the step's peak with what the process holds besides) exceed the
+    # limit and the program compiles the same in any process (no autotuner): a step never takes less than its
+    # plan, so that batch cannot train, probe or not. None where the pool's regions or an autotuner decide.
+    proven_failure: int | None = None
+    proven_bytes: int | None = None
 
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
@@ -78,8 +83,14 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 break
             aim = _next_aim(plans, lo, hi, limit, high)
     seconds = time.perf_counter() - started
-    return PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
-                      limit, first.limit_source if limit_bytes is None else "given", notes)
+    found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
+                       limit, first.limit_source if limit_bytes is None else "given", notes)
+    failing = plans.get(hi) if hi is not None else None
+    if failing is not None and failing.same_program_anywhere and not failing.estimate:
+        need = failing.peak_bytes + sum(held(failing))
+        if need > limit:
+            found.proven_failure, found.proven_bytes = hi, need
+    return found
 
 
 def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
@@ -168,17 +179,11 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
                                   held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes))
     if share:
-        found.notes.append(f"the fit's data sits on {device_name(model)} besides the step's copy of the batch "
+        found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
                            f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")
     for planned in found.plans:
         planned.notes = ()  # what goes back: figures, not the process's notes
     return found
-
-
-def device_name(model) -> str:
-    from .need import device_of
-
-    return device_of(model)
 
 
 def data_on_device(make_batch, model, rows: int = 256) -> float:
@@ -192,7 +197,7 @@ def data_on_device(make_batch, model, rows: int = 256) -> float:
 
     from .probe import probe_dataset
 
-    device = device_name(model)
+    device = device_of(model)
     if device.startswith("CPU"):
         return 0.0
     before = tf.config.experimental.get_memory_info(device)["current"]
@@ -219,6 +224,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
     BETWEEN (the answer did not train, a batch below it did: the probes close in between)."""
     from ..errors import FreshRunError
+    from ..units import format_bytes
     from .fresh import run_checked
 
     _, setup, env, timeout = search._run
@@ -256,6 +262,14 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
 
     if probe(answer):
         if answer >= search.high:
+            return DONE
+        proven = found.proven_failure
+        if proven is not None and answer < proven <= answer + step:
+            # no probe past the answer: the plan there needs more than the limit by its bytes alone
+            search.planned_failure = proven
+            search.notes.append(f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} "
+                                f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
+                                "takes less than its plan)")
             return DONE
         return UP if probe(min(search.high, answer + step)) else DONE  # trained too: the plans were low
     # The plans were high (in a pool that grows, where its regions fall and the fit's own transients

@@ -65,6 +65,7 @@ class BatchSearch(LinesText):
     lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
     plans: list = field(default_factory=list)  # the StepPlans a plan search made (method="plan")
     plan_seconds: float = 0.0  # the plan search's process, start to end
+    planned_failure: int | None = None  # a batch past the answer whose plan needs more than the limit (not probed)
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -115,17 +116,17 @@ class BatchSearch(LinesText):
 
     @property
     def first_failure(self) -> int | None:
-        """The smallest batch above `largest` that ran out of memory (None: none was tried)."""
-        largest = self.largest or 0
-        above = [p.batch for p in self.failed if p.batch > largest]
-        return min(above) if above else None
+        """The smallest batch above `largest` that ran out of memory or was planned not to fit (None: none)."""
+        return min((b for b in self._failures() if b > (self.largest or 0)), default=None)
+
+    def _failures(self) -> list[int]:  # the probes that ran out of memory, and planned_failure
+        return [p.batch for p in self.failed] + ([self.planned_failure] if self.planned_failure else [])
 
     @property
     def edge(self) -> tuple[int | None, int | None]:
         """(the largest batch that trained below every failure, the smallest failure): where
         fitting was lost first. Equal to (largest, first_failure) when fitting is monotone."""
-        failures = [p.batch for p in self.failed]
-        lowest = min(failures) if failures else None
+        lowest = min(self._failures(), default=None)
         below = [p.batch for p in self.fitted if lowest is None or p.batch < lowest]
         return (max(below) if below else None), lowest
 
@@ -265,7 +266,9 @@ class BatchSearch(LinesText):
             largest = safe if safe is not None else largest
             if failure is not None and failure > largest:
                 step = max(1, math.ceil(largest * self.resolution))
-                out.append(f"  edge: {largest:,} trained, {failure:,} ran out of memory "
+                how = "ran out of memory" if any(p.batch == failure for p in self.failed) else \
+                    "does not fit by its plan (not probed)"
+                out.append(f"  edge: {largest:,} trained, {failure:,} {how} "
                            f"({failure - largest:,} apart; resolution {self.resolution:.0%} = {step:,} examples)")
             elif largest >= self.high:
                 out.append(f"  the highest batch asked for ({self.high:,}) trained: the edge is above it")

@@ -25,11 +25,13 @@ _said: set[str] = set()
 in_fresh_process = False  # a %%tfmem fresh child: what kills it is explained by the kernel that started it
 
 XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory aborts the whole process "
-              "(TensorFlow's bfc_allocator.cc:711 check fails while freeing a buffer), so a kernel running it "
-              "dies; run the cell with %%tfmem fresh (its own process), or compile with jit_compile=False")
+              "(measured with TensorFlow 2.21: bfc_allocator.cc:711's check fails while freeing a buffer), so a "
+              "kernel running it dies; run the cell with %%tfmem fresh (its own process), or compile with "
+              "jit_compile=False")
 ONEDNN_HAZARD = ("lab mode with oneDNN's kernels on: an OOM inside a oneDNN fused kernel (a Dense layer in a "
-                 "tf.function or a Keras fit) is a segmentation fault that kills the kernel; run %tfmem setup --lab N "
-                 "before importing TensorFlow (it turns oneDNN off), or run the cell with %%tfmem fresh")
+                 "tf.function or a Keras fit) is a segmentation fault that kills the kernel (measured with "
+                 "TensorFlow 2.21); run %tfmem setup --lab N before importing TensorFlow (it turns oneDNN off), or "
+                 "run the cell with %%tfmem fresh")
 
 
 def lab_mode_in_force() -> bool:

@@ -23,12 +23,12 @@ LIMIT = "limit"
 UNEXPLAINED = "not explained by the dump"
 
 XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inconsistent: measured with TensorFlow "
-                 "2.21 on an H200 and in lab mode, the process aborts later, when tensors are freed "
+                 "2.21 on H100 and H200 GPUs and in lab mode, the process aborts later, when tensors are freed "
                  "(bfc_allocator.cc 'Check failed'), so this kernel will die; keep what you need now, restart, "
                  "and run fits near the limit with %%tfmem fresh")
-# A compiled step's OOM on a CPU (lab mode): its kernels' scratch buffers come from the same
-# allocator, sized by the processor's caches, and its ops run on several threads in an order
-# that differs between runs.
+# A compiled step's OOM on a CPU (lab mode): its kernels' temporaries come from the same allocator
+# (which kernel runs depends on the processor), and its ops run on several threads in an order that
+# differs between runs.
 CPU_STEP_NOTE = ("a compiled step on a CPU: the temporary buffers its kernels ask of the allocator (which kernel "
                  "runs depends on this processor) and "
                  "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "

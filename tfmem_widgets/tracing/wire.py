@@ -11,6 +11,7 @@ as numpy arrays. The plain decoder in the tests (xspace_reference.py) gives the 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,8 @@ _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the e
 _PADDING = b"\0" * 16
 _GROUP_EVENTS = 1 << 10  # memory events decoded together
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
+# Events that are no activity: memory events, and the thread pool's own markers.
+NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
 # XEvent fields and XStat fields (tsl/profiler/protobuf/xplane.proto).
 _EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS, _EVENT_STATS = 1, 2, 3, 4
 _STAT_METADATA_ID, _STAT_DOUBLE, _STAT_UINT64, _STAT_INT64, _STAT_STR, _STAT_REF = 1, 2, 3, 4, 5, 7
@@ -64,12 +67,53 @@ def _lean_xspace_class():
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("tfmem_lean.XSpace"))
 
 
+_HIGH_BITS = np.uint64(0x8080808080808080)
+_LOW_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
+_ONE = np.uint64(1)
+# Masks that pack the 7-bit groups of eight bytes: pairs into 14 bits, then 28, then 56.
+_PACK = tuple((np.uint64(keep), np.uint64(high), np.uint64(shift)) for keep, high, shift in (
+    (0x007F007F007F007F, 0x7F007F007F007F00, 1),
+    (0x00003FFF00003FFF, 0x3FFF00003FFF0000, 2),
+    (0x000000000FFFFFFF, 0x0FFFFFFF00000000, 4),
+))
+
+
+def _words(buf: np.ndarray) -> np.ndarray:
+    """The eight bytes from each position of buf as one little-endian uint64 (overlapping)."""
+    return np.ndarray((max(len(buf) - 7, 0),), dtype="<u8", buffer=buf, strides=(1,))
+
+
 def _varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values as uint64, byte lengths) of the varints starting at each position."""
+    """(values as uint64, byte lengths) of the varints starting at each position.
+
+    Varints of one byte are the byte; longer ones are read eight bytes at a time as a word, the
+    7-bit groups packed with masks; the few longer than eight bytes byte by byte."""
+    byte = buf[pos]
+    if not len(pos) or (byte < 0x80).all():
+        return byte.astype(np.uint64), np.ones(len(pos), dtype=np.int64)
+    words = _words(buf)
+    if int(pos.max()) >= len(words):  # only a damaged event reads that far into the padding
+        return _varints_bytewise(buf, pos)
+    word = words[pos]
+    last = ~word & _HIGH_BITS  # the top bit of each byte that ends a varint
+    last &= ~last + _ONE  # the first of them
+    mask = (last << _ONE) - _ONE  # the varint's bytes (all eight where the last one ends it)
+    value = word & mask & _LOW_BITS
+    for keep, high, shift in _PACK:
+        value = (value & keep) | ((value & high) >> shift)
+    length = (np.bitwise_count(mask) >> 3).astype(np.int64)
+    longer = np.nonzero(last == 0)[0]
+    if len(longer):
+        value[longer], length[longer] = _varints_bytewise(buf, pos[longer])
+    return value, length
+
+
+def _varints_bytewise(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_varints one byte at a time, for all lengths up to ten bytes."""
     byte = buf[pos]
     value = (byte & 0x7F).astype(np.uint64)
     length = np.ones(len(pos), dtype=np.int64)
-    todo = np.nonzero(byte >= 0x80)[0]  # most varints here are one byte: the rest go on
+    todo = np.nonzero(byte >= 0x80)[0]
     for k in range(1, 10):
         if not len(todo):
             return value, length
@@ -119,21 +163,14 @@ def _fields(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
         alive = alive[pos[alive] < end[alive]]
 
 
-def _event_fields(buf, start, end):
-    """Offsets and stat byte ranges of memory events. Events are written field by field in
-    number order: metadata id (already read), offset, then stats, each a short
-    length-delimited message. That layout is read in lockstep across all events; an event
-    laid out otherwise goes through the generic walk."""
-    n = len(start)
-    offset_ps = np.zeros(n, dtype=np.uint64)
-    first = buf[start] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    p = start.copy()
-    p[first] += 1 + _varints(buf, start[first] + 1)[1]
-    has_offset = buf[p] == (_EVENT_OFFSET_PS << 3 | _WIRE_VARINT)
-    value, length = _varints(buf, p[has_offset] + 1)
-    offset_ps[has_offset] = value
-    p[has_offset] += 1 + length
-    odd = ~first
+def _event_fields(buf, start, end, offset_ps, p):
+    """Stat byte ranges of memory events, whose offsets (offset_ps) and the position of what
+    follows their leading fields (p) _leading_fields read. Events are written field by field in
+    number order: metadata id, offset, then stats, each a short length-delimited message. That
+    layout is read in lockstep across all events; an event laid out otherwise goes through the
+    generic walk."""
+    odd = buf[start] != (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    p = p.copy()
     owners, starts, sizes = [], [], []
     alive = np.nonzero((p < end) & ~odd)[0]
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
@@ -224,9 +261,13 @@ def _stat_fields(buf, start, end):
 
 def read_memory_columns(data: bytes | None, source: str):
     """Columns of every memory event, per allocator (keyed by the allocator's name), the interned
-    texts their op/shape/region columns index, the function that interns a new text, and the
-    (plane, line) of each line that holds memory events (attribution reads their activities).
-    data=None reads the file `source` (and lets its bytes go as soon as protobuf has parsed them)."""
+    texts their op/shape/region columns index, the function that interns a new text, and, by the
+    number memory events carry for their line, the activities of each line of a plane that holds
+    memory events (see _line_activities; attribution names allocations by them).
+    data=None reads the file `source` (and lets its bytes go as soon as protobuf has parsed them).
+
+    Each line's events are joined into one buffer once, a batch at a time, and both the memory
+    events and the activities are read from it."""
     from google.protobuf.message import DecodeError
 
     space = _lean_xspace_class()()
@@ -254,19 +295,30 @@ def read_memory_columns(data: bytes | None, source: str):
 
     intern.texts = texts  # attribution reads a text back by its index
     parts: dict[str, list[dict[str, np.ndarray]]] = {}
-    lines = []  # (plane, line) by the number memory events carry
+    lines = []  # each line's activities, by the number memory events carry
     try:
         for plane in space.planes:
             kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
             if not kinds:
                 continue
             stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
+            memory_ids = np.array(sorted(kinds), dtype=np.uint64)
+            activity_names = {mid: m.name for mid, m in plane.event_metadata.items()
+                              if not m.name.startswith(NOT_ACTIVITIES)}
+            plane_info = _PlaneInfo(
+                memory_ids=memory_ids,
+                kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
+                slot_of={mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS},
+                stat_names=stat_names,
+                activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+            )
             for line in plane.lines:
-                lines.append((plane, line))
                 events = line.events
+                spans = []
                 for first in range(0, len(events), _CHUNK_EVENTS):
                     batch = events[first:first + _CHUNK_EVENTS]
-                    _decode_batch(batch, line.timestamp_ns, kinds, stat_names, intern, parts, len(lines) - 1)
+                    _decode_batch(batch, line.timestamp_ns, plane_info, intern, parts, len(lines), spans)
+                lines.append(_line_activities(spans, activity_names))
         columns = {
             texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
             for allocator, pieces in ((k, v) for k, v in parts.items())
@@ -276,36 +328,100 @@ def read_memory_columns(data: bytes | None, source: str):
     return columns, texts, intern, lines
 
 
-def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts, line_number) -> None:
+class _PlaneInfo(NamedTuple):
+    memory_ids: np.ndarray  # the metadata ids of memory events, sorted
+    kind_of_id: np.ndarray  # ALLOC or FREE, for each of memory_ids
+    slot_of: dict  # stat metadata id -> slot in a row (events.SLOTS)
+    stat_names: dict  # stat metadata id -> name
+    activity_ids: np.ndarray  # the metadata ids of activities, sorted
+
+
+def _line_activities(spans, names):
+    """A line's activities with a duration: (begins ps, ends ps, metadata ids) as arrays ordered
+    innermost last (by begin, the longer first where two begin together), and {metadata id: name}."""
+    if not spans:
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), names
+    begin, end, meta = (np.concatenate(column) for column in zip(*spans))
+    order = np.lexsort((-end, begin))
+    return (begin[order], end[order], meta[order]), names
+
+
+def _leading_fields(buf, starts, ends):
+    """An XEvent's metadata id, offset and duration, read where protobuf writes them: its first
+    fields, in that order (a field equal to 0 is left out). (meta, offset, duration, the position
+    after them, the events whose bytes hold something else before their stats: to be read field
+    by field)."""
+    n = len(starts)
+    columns = []
+    pos = starts.copy()
+    last = len(buf) - 1
+    for number in (_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS):
+        here = (pos < ends) & (buf[np.minimum(pos, last)] == (number << 3 | _WIRE_VARINT))
+        if here.all():
+            column, length = _varints(buf, pos + 1)
+            pos += 1 + length
+        else:
+            column = np.zeros(n, dtype=np.uint64)
+            here = np.nonzero(here)[0]
+            if len(here):
+                value, length = _varints(buf, pos[here] + 1)
+                column[here] = value
+                pos[here] += 1 + length
+        columns.append(column)
+    rest = pos < ends
+    # What may follow: the stats (field 4, length-delimited) alone; anything else is read in full.
+    odd = np.nonzero(rest & (buf[np.minimum(pos, last)] != (_EVENT_STATS << 3 | _WIRE_LEN)))[0]
+    return (*columns, pos, odd)
+
+
+def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) -> None:
+    """Memory events of a batch of a line's events into parts, its activities onto spans."""
     lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
     # Padding past the end lets a damaged varint be read without an index error.
     buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    # Memory events first: an event's metadata id is its first field when it is set.
-    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    ids = np.zeros(len(batch), dtype=np.uint64)
-    ids[has_id] = _varints(buf, starts[has_id] + 1)[0]
-    memory_ids = np.array(sorted(kinds), dtype=np.uint64)
-    chosen = np.nonzero(has_id & np.isin(ids, memory_ids))[0]
+    # An event's metadata id is its first field when it is set: memory events are those.
+    has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
+    meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
+    chosen = np.nonzero(has_id & np.isin(meta, info.memory_ids))[0]
+
+    # Activities: events with a duration and an activity's metadata id; those without their id
+    # first, or laid out otherwise, read field by field.
+    if len(info.activity_ids):
+        odd = odd[~has_id[odd] | np.isin(meta[odd], info.activity_ids)]
+        if len(odd):
+            meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
+            for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
+                varint = wire == _WIRE_VARINT
+                for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
+                                       (_EVENT_DURATION_PS, duration)):
+                    pick = varint & (field == number)
+                    column[odd[alive[pick]]] = value[pick]
+        keep = np.nonzero((duration > 0) & np.isin(meta, info.activity_ids))[0]
+        if len(keep):
+            begin = int(timestamp_ns) * 1000 + offset[keep].astype(np.int64)
+            spans.append((begin, begin + duration[keep].astype(np.int64), meta[keep].astype(np.int64)))
     if not len(chosen):
         return
-    kind_of_id = np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8)
+    ids = meta[chosen] if not len(odd) else _varints(buf, starts[chosen] + 1)[0]
+    kind = info.kind_of_id[np.searchsorted(info.memory_ids, ids)]
     # A dozen arrays per stat live while a group is decoded: small groups keep that memory
     # small next to the trace itself.
     for first in range(0, len(chosen), _GROUP_EVENTS):
         group = chosen[first:first + _GROUP_EVENTS]
-        kind = kind_of_id[np.searchsorted(memory_ids, ids[group])]
-        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts, line_number)
+        _decode_group(buf, starts[group], ends[group], offset[group], after[group],
+                      kind[first:first + _GROUP_EVENTS], timestamp_ns, info, intern, parts, line_number)
 
 
-def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts, line_number) -> None:
-    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends)
+def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:
+    stat_names = info.stat_names
+    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
 
     # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
-    slot_of = {mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}
+    slot_of = info.slot_of
     unique_ids, inverse = np.unique(stat_id, return_inverse=True)
     slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
     del stat_id, inverse

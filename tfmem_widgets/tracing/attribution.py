@@ -42,7 +42,7 @@ def _parents(begin, end) -> np.ndarray | None:
     """Each activity's parent (the innermost other one enclosing it; -1 for none), for activities in
     _activities' order that nest, as one thread's do; None where two overlap without nesting."""
     n = len(begin)
-    depth = np.arange(1, n + 1) - np.searchsorted(np.sort(end), begin, side="left")  # enclosing its begin
+    depth = np.arange(1, n + 1) - np.searchsorted(np.sort(end, kind="stable"), begin, side="left")  # enclosing its begin
     parent = np.full(n, -1, dtype=np.int64)
     positions = np.arange(n)
     for d in range(2, int(depth.max(initial=0)) + 1):

@@ -407,14 +407,16 @@ def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) 
             spans.append((begin, begin + duration[keep].astype(np.int64), meta[keep].astype(np.int64)))
     if not len(chosen):
         return
-    ids = meta[chosen] if not len(odd) else _varints(buf, starts[chosen] + 1)[0]
-    kind = info.kind_of_id[np.searchsorted(info.memory_ids, ids)]
+    kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    # Only the memory events' own fields are kept while their stats are decoded.
+    starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
+    del meta, duration, lengths, has_id, chosen
     # A dozen arrays per stat live while a group is decoded: small groups keep that memory
     # small next to the trace itself.
-    for first in range(0, len(chosen), _GROUP_EVENTS):
-        group = chosen[first:first + _GROUP_EVENTS]
-        _decode_group(buf, starts[group], ends[group], offset[group], after[group],
-                      kind[first:first + _GROUP_EVENTS], timestamp_ns, info, intern, parts, line_number)
+    for first in range(0, len(starts), _GROUP_EVENTS):
+        group = slice(first, first + _GROUP_EVENTS)
+        _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns, info,
+                      intern, parts, line_number)
 
 
 def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:

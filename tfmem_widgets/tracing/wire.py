@@ -28,7 +28,8 @@ from .events import (
 
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
 _PADDING = b"\0" * 16
-_GROUP_EVENTS = 1 << 10  # memory events decoded together
+_GROUP_EVENTS = 1 << 10  # memory events decoded together, at first
+_MAX_GROUP_EVENTS = 1 << 14
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 # Events that are no activity: memory events, and the thread pool's own markers.
 NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
@@ -412,11 +413,16 @@ def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) 
     starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
     del meta, duration, lengths, has_id, chosen
     # A dozen arrays per stat live while a group is decoded: small groups keep that memory
-    # small next to the trace itself.
-    for first in range(0, len(starts), _GROUP_EVENTS):
-        group = slice(first, first + _GROUP_EVENTS)
+    # small next to the trace itself. Groups grow with the events decoded so far (a sixteenth of
+    # them), so that a long trace is not decoded a thousand events at a time.
+    decoded = sum(len(piece["kind"]) for pieces in parts.values() for piece in pieces)
+    first = 0
+    while first < len(starts):
+        group = slice(first, first + min(max(_GROUP_EVENTS, decoded // 16), _MAX_GROUP_EVENTS))
         _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns, info,
                       intern, parts, line_number)
+        decoded += len(starts[group])
+        first = group.stop
 
 
 def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:

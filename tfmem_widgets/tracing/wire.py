@@ -309,7 +309,7 @@ def read_memory_columns(data: bytes | None, source: str):
             plane_info = _PlaneInfo(
                 memory_ids=memory_ids,
                 kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
-                slot_of={mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS},
+                slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
                 stat_names=stat_names,
                 activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
             )
@@ -332,9 +332,16 @@ def read_memory_columns(data: bytes | None, source: str):
 class _PlaneInfo(NamedTuple):
     memory_ids: np.ndarray  # the metadata ids of memory events, sorted
     kind_of_id: np.ndarray  # ALLOC or FREE, for each of memory_ids
-    slot_of: dict  # stat metadata id -> slot in a row (events.SLOTS)
+    slot_table: np.ndarray  # by stat metadata id: its slot in a row (events.SLOTS), -1 for none
     stat_names: dict  # stat metadata id -> name
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
+
+
+def _slot_table(slot_of: dict) -> np.ndarray:
+    table = np.full(max(slot_of, default=0) + 1, -1, dtype=np.int8)
+    for mid, slot in slot_of.items():
+        table[mid] = slot
+    return table
 
 
 def _line_activities(spans, names):
@@ -432,10 +439,9 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
     del s_start, s_end
 
     # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
-    slot_of = info.slot_of
-    unique_ids, inverse = np.unique(stat_id, return_inverse=True)
-    slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
-    del stat_id, inverse
+    table = info.slot_table
+    slots = np.where(stat_id < len(table), table[np.minimum(stat_id, len(table) - 1).astype(np.int64)], -1)
+    del stat_id
 
     n = len(starts)
     row_int = np.zeros((FIRST_TEXT_SLOT, n), dtype=np.int64)
@@ -444,9 +450,8 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
     allocator = np.full(n, -1, dtype=np.int64)
 
     as_int = stat_value.view(np.int64)
-    for slot in range(FIRST_TEXT_SLOT):
-        pick = slots == slot
-        row_int[slot, owner[pick]] = as_int[pick]
+    pick = (slots >= 0) & (slots < FIRST_TEXT_SLOT)
+    row_int[slots[pick], owner[pick]] = as_int[pick]
     pick = slots == FRAGMENTATION_SLOT
     is_double = pick & (stat_field == _STAT_DOUBLE)
     fragmentation[owner[is_double]] = stat_value[is_double].view(np.float64)
@@ -464,9 +469,8 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
         dtype=np.int64,
     )
     for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):
-        for k, slot in enumerate(range(FIRST_TEXT_SLOT + 1, ALLOCATOR_SLOT)):
-            pick = slots[rows] == slot
-            row_text[k, owner[rows[pick]]] = values[pick]
+        pick = slots[rows] < ALLOCATOR_SLOT
+        row_text[slots[rows[pick]] - (FIRST_TEXT_SLOT + 1), owner[rows[pick]]] = values[pick]
         pick = slots[rows] == ALLOCATOR_SLOT
         allocator[owner[rows[pick]]] = values[pick]
 

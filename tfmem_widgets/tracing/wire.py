@@ -312,6 +312,7 @@ def read_memory_columns(data: bytes | None, source: str):
                 slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
                 stat_names=stat_names,
                 activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+                ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
             )
             for line in plane.lines:
                 events = line.events
@@ -335,6 +336,7 @@ class _PlaneInfo(NamedTuple):
     slot_table: np.ndarray  # by stat metadata id: its slot in a row (events.SLOTS), -1 for none
     stat_names: dict  # stat metadata id -> name
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
+    ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
 
 
 def _slot_table(slot_of: dict) -> np.ndarray:
@@ -460,8 +462,18 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
 
     text_slots = slots >= FIRST_TEXT_SLOT + 1
     ref = text_slots & (stat_field == _STAT_REF)
-    ref_ids, ref_inverse = np.unique(stat_value[ref], return_inverse=True)
-    ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
+    ref_ids = stat_value[ref]
+    known = info.ref_texts  # the interned name of each stat metadata id met so far, -1 for none yet
+    if (ref_ids < len(known)).all():
+        ref_ids = ref_ids.astype(np.int64)
+        missing = known[ref_ids] < 0
+        if missing.any():
+            for i in np.unique(ref_ids[missing]).tolist():  # interned in the order of their ids
+                known[i] = intern(stat_names.get(i, ""))
+        ref_text = known[ref_ids]
+    else:
+        ref_ids, ref_inverse = np.unique(ref_ids, return_inverse=True)
+        ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
     strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
     string_text = np.array(
         [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
@@ -475,7 +487,7 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
         allocator[owner[rows[pick]]] = values[pick]
 
     time_ns = ((np.uint64(timestamp_ns) * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
-    for name_index in np.unique(allocator):
+    for name_index in [allocator[0]] if len(allocator) and (allocator == allocator[0]).all() else np.unique(allocator):
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
         mine = allocator == name_index

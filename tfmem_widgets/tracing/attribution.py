@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from .wire import NOT_ACTIVITIES as NOT_ACTIVITIES  # the names of what is no activity, read here too
+from .lines import NOT_ACTIVITIES as NOT_ACTIVITIES  # the names of what is no activity, read here too
 
 # CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
 _XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
@@ -103,7 +103,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         for cols in columns.values():
             cols.pop("line", None)
         return
-    parsed = lines  # each line's activities, as wire.read_memory_columns read them
+    parsed = lines  # each line's activities, as lines.read_memory_columns read them
     # The tf.functions of every thread.
     f_begin, f_end, f_name = [], [], []
     for (begin, end, meta), names in lines:

@@ -199,13 +199,30 @@ class Replay:
                 continue
             bounds = regions[r]
             start, total, right = address, size, address + size
-            if right in free and right < bounds.address + bounds.size:
-                total += self._remove_free(right)
+            if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
+                merged = free.pop(right)
+                del free_end[right + merged]
+                count = free_sizes[merged] - 1
+                if count:
+                    free_sizes[merged] = count
+                else:
+                    del free_sizes[merged]
+                total += merged
             left = free_end.get(address)
-            if left is not None and left >= bounds.address:
-                total += self._remove_free(left)
+            if left is not None and left >= bounds.address:  # and with the one before
+                merged = free.pop(left)
+                del free_end[address]
+                count = free_sizes[merged] - 1
+                if count:
+                    free_sizes[merged] = count
+                else:
+                    del free_sizes[merged]
+                total += merged
                 start = left
-            self._add_free(start, total)
+            free[start] = total
+            free_end[start + total] = start
+            free_sizes[total] = free_sizes.get(total, 0) + 1
+            push(heap, -total)
             self.position = i
         return self
 

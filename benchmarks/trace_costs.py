@@ -177,10 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500_000, help="loop steps (two events each)")
     parser.add_argument("--workdir", default=None, help="where the traces go (default: a temporary folder)")
+    parser.add_argument("--reading-only", action="store_true",
+                        help="only part 2: the reading times against XProf's, for the three traces")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tfmem-bench-"))
     try:
-        measure_all(workdir, args.steps)
+        measure_all(workdir, args.steps, reading_only=args.reading_only)
     finally:
         if args.workdir is None:
             import shutil
@@ -188,15 +190,16 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def measure_all(workdir: Path, steps: int) -> None:
+def measure_all(workdir: Path, steps: int, reading_only: bool = False) -> None:
     mb = 1 << 20
 
     keras = record_keras(workdir)
-    memory = memory_of_reading(keras["path"])
-    print(f"Keras fit, 10 steps: xplane.pb {keras['bytes'] / mb:.1f} MiB, {keras['events']:,} allocator events; "
-          f"reading it and rebuilding its maps took {memory['extra_bytes'] / mb:.1f} MiB more memory "
-          f"= {memory['extra_bytes'] / keras['bytes']:.2f} x the file (the reader's first use in a process: "
-          f"{memory['first_use_bytes'] / mb:.1f} MiB once)", flush=True)
+    if not reading_only:
+        memory = memory_of_reading(keras["path"])
+        print(f"Keras fit, 10 steps: xplane.pb {keras['bytes'] / mb:.1f} MiB, {keras['events']:,} allocator events; "
+              f"reading it and rebuilding its maps took {memory['extra_bytes'] / mb:.1f} MiB more memory "
+              f"= {memory['extra_bytes'] / keras['bytes']:.2f} x the file (the reader's first use in a process: "
+              f"{memory['first_use_bytes'] / mb:.1f} MiB once)", flush=True)
 
     timing = time_million(keras["path"])
     print(f"Keras fit, 10 steps: read + rebuild {timing['ours']:.3f} s; XProf memory_profile conversion "
@@ -215,6 +218,8 @@ def measure_all(workdir: Path, steps: int) -> None:
           f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
           f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
 
+    if reading_only:
+        return
     render = time_render(million["path"], 100_000)
     print(f"memory map of {render['chunks']:,} chunks drawn in {render['seconds']:.2f} s (Agg, median of 3)")
 

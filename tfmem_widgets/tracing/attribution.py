@@ -12,22 +12,11 @@ import re
 
 import numpy as np
 
-from .wire import (
-    _EVENT_DURATION_PS,
-    _EVENT_METADATA_ID,
-    _EVENT_OFFSET_PS,
-    _EVENT_STATS,
-    _PADDING,
-    _WIRE_LEN,
-    _WIRE_VARINT,
-    _fields,
-    _varints,
-)
+from .lines import NOT_ACTIVITIES as NOT_ACTIVITIES  # the names of what is no activity, read here too
 
 # CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
 _XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
 FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function: __inference_<name>_<n>
-NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
 
 
 def context_label(enclosing: list[str], functions: list[str]) -> str:
@@ -49,71 +38,11 @@ def label(xla: bool, function: str | None, innermost: str | None) -> str:
     return f"(in {innermost})" if innermost else ""
 
 
-def _activities(plane, line, only=None):
-    """The line's activities with a duration: (begins ps, ends ps, metadata ids) as arrays ordered
-    innermost last (by begin, the longer first where two begin together), and {metadata id: name};
-    only: a test on the name."""
-    names = {mid: m.name for mid, m in plane.event_metadata.items()
-             if not m.name.startswith(NOT_ACTIVITIES) and (only is None or only(m.name))}
-    events = line.events
-    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), names
-    if not names or not len(events):
-        return empty
-    lengths = np.fromiter(map(len, events), dtype=np.int64, count=len(events))
-    buf = np.frombuffer(b"".join([*events, _PADDING]), dtype=np.uint8)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    # Only the events whose metadata id (their first field) is one of the names wanted are walked.
-    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    first_id = np.zeros(len(events), dtype=np.uint64)
-    first_id[has_id] = _varints(buf, starts[has_id] + 1)[0]
-    wanted = np.array(sorted(names), dtype=np.uint64)
-    pick = np.nonzero(~has_id | np.isin(first_id, wanted))[0]
-    starts, ends = starts[pick], ends[pick]
-    meta, offset, duration, odd = _leading_fields(buf, starts, ends)
-    if len(odd):  # events written in another order: each of their fields read
-        for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
-            varint = wire == _WIRE_VARINT
-            for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
-                                   (_EVENT_DURATION_PS, duration)):
-                chosen = varint & (field == number)
-                column[odd[alive[chosen]]] = value[chosen]
-    keep = np.nonzero((duration > 0) & np.isin(meta, wanted))[0]
-    base = int(line.timestamp_ns) * 1000
-    begin = base + offset[keep].astype(np.int64)
-    end = begin + duration[keep].astype(np.int64)
-    meta = meta[keep].astype(np.int64)
-    order = np.lexsort((-end, begin))
-    return (begin[order], end[order], meta[order]), names
-
-
-def _leading_fields(buf, starts, ends):
-    """An XEvent's metadata id, offset and duration, read where protobuf writes them: its first
-    fields, in that order (a field equal to 0 is left out). (meta, offset, duration, the events
-    whose bytes hold something else before their stats: to be read field by field)."""
-    n = len(starts)
-    columns = []
-    pos = starts.copy()
-    for number in (_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS):
-        column = np.zeros(n, dtype=np.uint64)
-        here = np.nonzero(pos < ends)[0]
-        here = here[buf[pos[here]] == (number << 3 | _WIRE_VARINT)]
-        if len(here):
-            value, length = _varints(buf, pos[here] + 1)
-            column[here] = value
-            pos[here] += 1 + length
-        columns.append(column)
-    rest = pos < ends
-    # What may follow: the stats (field 4, length-delimited) alone; anything else is read in full.
-    odd = np.nonzero(rest & (buf[np.minimum(pos, len(buf) - 1)] != (_EVENT_STATS << 3 | _WIRE_LEN)))[0]
-    return (*columns, odd)
-
-
 def _parents(begin, end) -> np.ndarray | None:
     """Each activity's parent (the innermost other one enclosing it; -1 for none), for activities in
     _activities' order that nest, as one thread's do; None where two overlap without nesting."""
     n = len(begin)
-    depth = np.arange(1, n + 1) - np.searchsorted(np.sort(end), begin, side="left")  # enclosing its begin
+    depth = np.arange(1, n + 1) - np.searchsorted(np.sort(end, kind="stable"), begin, side="left")  # enclosing its begin
     parent = np.full(n, -1, dtype=np.int64)
     positions = np.arange(n)
     for d in range(2, int(depth.max(initial=0)) + 1):
@@ -174,13 +103,10 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         for cols in columns.values():
             cols.pop("line", None)
         return
-    needed = np.unique(np.concatenate([cols["line"][unnamed] for cols, unnamed in todo])).tolist()
-    parsed = {k: _activities(*lines[k]) for k in needed}
-    # The tf.functions of every thread: from the lines parsed whole, and the others read for them alone.
+    parsed = lines  # each line's activities, as lines.read_memory_columns read them
+    # The tf.functions of every thread.
     f_begin, f_end, f_name = [], [], []
-    for k, (plane, line) in enumerate(lines):
-        (begin, end, meta), names = parsed[k] if k in parsed else _activities(
-            plane, line, only=lambda name: FUNCTION.search(name) is not None)
+    for (begin, end, meta), names in lines:
         for mid in np.unique(meta).tolist():
             match = FUNCTION.search(names[mid])
             if match:
@@ -213,11 +139,15 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                     live = [intern.texts[int(running_name[k])]] if running_name[k] >= 0 else []
                     labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
                 continue
-            ids = sorted(names)
-            is_xla = {mid: bool(_XLA_MARKER.search(names[mid])) for mid in ids}
-            fn_of = {mid: (m.group(1) if (m := FUNCTION.search(names[mid])) else None) for mid in ids}
-            xla_flag = np.array([is_xla[m] for m in meta.tolist()], dtype=bool)
-            fn_id = np.array([intern(fn_of[m]) if fn_of[m] else -1 for m in meta.tolist()], dtype=np.int64)
+            # Per metadata id, looked up for all activities at once.
+            ids = np.unique(meta).tolist()
+            size = max(ids, default=-1) + 1
+            xla_of, fn_of = np.zeros(size, dtype=bool), np.full(size, -1, dtype=np.int64)
+            for mid in ids:
+                xla_of[mid] = bool(_XLA_MARKER.search(names[mid]))
+                if m := FUNCTION.search(names[mid]):
+                    fn_of[mid] = intern(m.group(1))
+            xla_flag, fn_id = xla_of[meta], fn_of[meta]
             at = _covering(begin, end, parent, times[mine])
             innermost = np.full(len(mine), -1, dtype=np.int64)
             innermost[at >= 0] = meta[at[at >= 0]]
@@ -232,10 +162,15 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                 own[unset] = fn_id[k[unset]]
                 k[alive] = parent[here]
             function = np.where(own >= 0, own, running_name[mine])
-            keys = np.stack([xla.astype(np.int64), function, innermost], axis=1)
-            unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-            words = [intern(label(bool(x), intern.texts[f] if f >= 0 else None, names[i] if i >= 0 else None))
-                     for x, f, i in unique.tolist()]
+            # One number per (XLA, function, innermost), in the order of those triples.
+            f_span = int(function.max(initial=-1)) + 2
+            i_span = int(innermost.max(initial=-1)) + 2
+            keys = (xla.astype(np.int64) * f_span + (function + 1)) * i_span + (innermost + 1)
+            unique, inverse = np.unique(keys, return_inverse=True)
+            x, rest = np.divmod(unique, f_span * i_span)
+            f, i = np.divmod(rest, i_span)
+            words = [intern(label(bool(x), intern.texts[f - 1] if f > 0 else None, names[i - 1] if i > 0 else None))
+                     for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
             labels[mine] = np.asarray(words, dtype=np.int64)[inverse.reshape(-1)]
         cols["op"][unnamed] = labels.astype(cols["op"].dtype)
     for cols in columns.values():

@@ -159,8 +159,71 @@ class Replay:
         self.position = i
 
     def run_to(self, index: int) -> Replay:
+        """step() up to event `index`, with the common moves (a chunk taken from the front of a
+        free one, a free beside free neighbours in a known region) done here in line: a call per
+        event and per free-chunk change would cost more than the move itself."""
+        kinds, addresses, sizes, requesteds = self._columns()
+        free, free_end, free_sizes, heap, in_use = self._free, self._free_end, self._free_sizes, self._heap, self.in_use
+        region_starts, regions = self._region_starts, self.regions
+        push, bisect_right = heapq.heappush, bisect.bisect_right
         while self.position < index:
-            self.step()
+            i = self.position + 1
+            address, size = addresses[i], sizes[i]
+            if kinds[i] == ALLOC:
+                whole = free.pop(address, None)
+                if whole is None or whole < size:
+                    if whole is not None:
+                        free[address] = whole
+                    self._allocate(i, address, size, requesteds[i])
+                    self.position = i
+                    continue
+                del free_end[address + whole]
+                left = free_sizes[whole] - 1
+                if left:
+                    free_sizes[whole] = left
+                else:
+                    del free_sizes[whole]
+                if whole > size:  # the rest stays free, after the chunk
+                    rest = whole - size
+                    free[address + size] = rest
+                    free_end[address + whole] = address + size
+                    free_sizes[rest] = free_sizes.get(rest, 0) + 1
+                    push(heap, -rest)
+                in_use[address] = (size, i)
+                self.position = i
+                continue
+            r = bisect_right(region_starts, address) - 1
+            if r < 0 or address >= regions[r].address + regions[r].size or in_use.pop(address, None) is None:
+                self._deallocate(i, address, size)  # an unknown region or chunk: the full rules
+                self.position = i
+                continue
+            bounds = regions[r]
+            start, total, right = address, size, address + size
+            if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
+                merged = free.pop(right)
+                del free_end[right + merged]
+                count = free_sizes[merged] - 1
+                if count:
+                    free_sizes[merged] = count
+                else:
+                    del free_sizes[merged]
+                total += merged
+            left = free_end.get(address)
+            if left is not None and left >= bounds.address:  # and with the one before
+                merged = free.pop(left)
+                del free_end[address]
+                count = free_sizes[merged] - 1
+                if count:
+                    free_sizes[merged] = count
+                else:
+                    del free_sizes[merged]
+                total += merged
+                start = left
+            free[start] = total
+            free_end[start + total] = start
+            free_sizes[total] = free_sizes.get(total, 0) + 1
+            push(heap, -total)
+            self.position = i
         return self
 
     # -- results ---------------------------------------------------------------------------

@@ -2,22 +2,17 @@
 
 A long trace holds millions of profiler events and a dozen figures on each memory event;
 reading them one protobuf object at a time costs about 15 microseconds an event. Here the
-XSpace is parsed by protobuf with each line's events left as raw bytes (a copy of
-TensorFlow's own xplane.proto schema in which XLine.events is ``bytes``), and the protobuf
-wire format of those events is then decoded for all memory events at once, field by field,
-as numpy arrays. The plain decoder in the tests (xspace_reference.py) gives the same columns.
+protobuf wire format of the events lines.py leaves as raw bytes is decoded for all memory
+events at once, field by field, as numpy arrays. The plain decoder in the tests
+(xspace_reference.py) gives the same columns.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from ..errors import TraceDataError
 from .events import (
     ALLOCATOR_SLOT,
-    EVENT_KINDS,
     FIRST_TEXT_SLOT,
     FRAGMENTATION_SLOT,
     NUMPY_TYPES,
@@ -25,51 +20,58 @@ from .events import (
     STAT_OF_COLUMN,
 )
 
-_CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
 _PADDING = b"\0" * 16
-_GROUP_EVENTS = 1 << 10  # memory events decoded together
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 # XEvent fields and XStat fields (tsl/profiler/protobuf/xplane.proto).
 _EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS, _EVENT_STATS = 1, 2, 3, 4
 _STAT_METADATA_ID, _STAT_DOUBLE, _STAT_UINT64, _STAT_INT64, _STAT_STR, _STAT_REF = 1, 2, 3, 4, 5, 7
+_HIGH_BITS = np.uint64(0x8080808080808080)
+_LOW_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
+_ONE = np.uint64(1)
+# Masks that pack the 7-bit groups of eight bytes: pairs into 14 bits, then 28, then 56.
+_PACK = tuple((np.uint64(keep), np.uint64(high), np.uint64(shift)) for keep, high, shift in (
+    (0x007F007F007F007F, 0x7F007F007F007F00, 1),
+    (0x00003FFF00003FFF, 0x3FFF00003FFF0000, 2),
+    (0x000000000FFFFFFF, 0x0FFFFFFF00000000, 4),
+))
 
 
-@functools.lru_cache(maxsize=1)
-def _lean_xspace_class():
-    """XSpace with XLine.events as raw bytes, built from TensorFlow's own schema."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    proto = descriptor_pb2.FileDescriptorProto()
-    xplane_pb2.DESCRIPTOR.CopyToProto(proto)
-    old_prefix = f".{proto.package}."
-    proto.name, proto.package = "tfmem_lean_xplane.proto", "tfmem_lean"
-
-    def rename(message):
-        for f in message.field:
-            if f.type_name.startswith(old_prefix):
-                f.type_name = ".tfmem_lean." + f.type_name[len(old_prefix):]
-        for nested in message.nested_type:
-            rename(nested)
-
-    for message in proto.message_type:
-        rename(message)
-        if message.name == "XLine":
-            for f in message.field:
-                if f.name == "events":
-                    f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
-                    f.ClearField("type_name")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tfmem_lean.XSpace"))
+def _words(buf: np.ndarray) -> np.ndarray:
+    """The eight bytes from each position of buf as one little-endian uint64 (overlapping)."""
+    return np.ndarray((max(len(buf) - 7, 0),), dtype="<u8", buffer=buf, strides=(1,))
 
 
 def _varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values as uint64, byte lengths) of the varints starting at each position."""
+    """(values as uint64, byte lengths) of the varints starting at each position.
+
+    Varints of one byte are the byte; longer ones are read eight bytes at a time as a word, the
+    7-bit groups packed with masks; the few longer than eight bytes byte by byte."""
+    byte = buf[pos]
+    if not len(pos) or (byte < 0x80).all():
+        return byte.astype(np.uint64), np.ones(len(pos), dtype=np.int64)
+    words = _words(buf)
+    if int(pos.max()) >= len(words):  # only a damaged event reads that far into the padding
+        return _varints_bytewise(buf, pos)
+    word = words[pos]
+    last = ~word & _HIGH_BITS  # the top bit of each byte that ends a varint
+    last &= ~last + _ONE  # the first of them
+    mask = (last << _ONE) - _ONE  # the varint's bytes (all eight where the last one ends it)
+    value = word & mask & _LOW_BITS
+    for keep, high, shift in _PACK:
+        value = (value & keep) | ((value & high) >> shift)
+    length = (np.bitwise_count(mask) >> 3).astype(np.int64)
+    longer = np.nonzero(last == 0)[0]
+    if len(longer):
+        value[longer], length[longer] = _varints_bytewise(buf, pos[longer])
+    return value, length
+
+
+def _varints_bytewise(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_varints one byte at a time, for all lengths up to ten bytes."""
     byte = buf[pos]
     value = (byte & 0x7F).astype(np.uint64)
     length = np.ones(len(pos), dtype=np.int64)
-    todo = np.nonzero(byte >= 0x80)[0]  # most varints here are one byte: the rest go on
+    todo = np.nonzero(byte >= 0x80)[0]
     for k in range(1, 10):
         if not len(todo):
             return value, length
@@ -119,21 +121,14 @@ def _fields(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
         alive = alive[pos[alive] < end[alive]]
 
 
-def _event_fields(buf, start, end):
-    """Offsets and stat byte ranges of memory events. Events are written field by field in
-    number order: metadata id (already read), offset, then stats, each a short
-    length-delimited message. That layout is read in lockstep across all events; an event
-    laid out otherwise goes through the generic walk."""
-    n = len(start)
-    offset_ps = np.zeros(n, dtype=np.uint64)
-    first = buf[start] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    p = start.copy()
-    p[first] += 1 + _varints(buf, start[first] + 1)[1]
-    has_offset = buf[p] == (_EVENT_OFFSET_PS << 3 | _WIRE_VARINT)
-    value, length = _varints(buf, p[has_offset] + 1)
-    offset_ps[has_offset] = value
-    p[has_offset] += 1 + length
-    odd = ~first
+def _event_fields(buf, start, end, offset_ps, p):
+    """Stat byte ranges of memory events, whose offsets (offset_ps) and the position of what
+    follows their leading fields (p) _leading_fields read. Events are written field by field in
+    number order: metadata id, offset, then stats, each a short length-delimited message. That
+    layout is read in lockstep across all events; an event laid out otherwise goes through the
+    generic walk."""
+    odd = buf[start] != (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
+    p = p.copy()
     owners, starts, sizes = [], [], []
     alive = np.nonzero((p < end) & ~odd)[0]
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
@@ -222,93 +217,44 @@ def _stat_fields(buf, start, end):
     return stat_id, stat_field, stat_value, texts
 
 
-def read_memory_columns(data: bytes | None, source: str):
-    """Columns of every memory event, per allocator (keyed by the allocator's name), the interned
-    texts their op/shape/region columns index, the function that interns a new text, and the
-    (plane, line) of each line that holds memory events (attribution reads their activities).
-    data=None reads the file `source` (and lets its bytes go as soon as protobuf has parsed them)."""
-    from google.protobuf.message import DecodeError
-
-    space = _lean_xspace_class()()
-    try:
-        if data is None:
-            with open(source, "rb") as f:
-                space.ParseFromString(f.read())
+def _leading_fields(buf, starts, ends):
+    """An XEvent's metadata id, offset and duration, read where protobuf writes them: its first
+    fields, in that order (a field equal to 0 is left out). (meta, offset, duration, the position
+    after them, the events whose bytes hold something else before their stats: to be read field
+    by field)."""
+    n = len(starts)
+    columns = []
+    pos = starts.copy()
+    last = len(buf) - 1
+    for number in (_EVENT_METADATA_ID, _EVENT_OFFSET_PS, _EVENT_DURATION_PS):
+        here = (pos < ends) & (buf[np.minimum(pos, last)] == (number << 3 | _WIRE_VARINT))
+        if here.all():
+            column, length = _varints(buf, pos + 1)
+            pos += 1 + length
         else:
-            space.ParseFromString(data)
-    except DecodeError as exc:
-        raise TraceDataError(f"{source} is not a readable profiler trace (truncated or corrupt: {exc}).") from None
-    except OSError as exc:
-        raise TraceDataError(f"cannot read {source}: {exc.strerror}.") from None
-    if not space.planes:
-        raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
-    texts = [""]
-    text_index = {"": 0}
-
-    def intern(value: str) -> int:
-        index = text_index.get(value)
-        if index is None:
-            index = text_index[value] = len(texts)
-            texts.append(value)
-        return index
-
-    intern.texts = texts  # attribution reads a text back by its index
-    parts: dict[str, list[dict[str, np.ndarray]]] = {}
-    lines = []  # (plane, line) by the number memory events carry
-    try:
-        for plane in space.planes:
-            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
-            if not kinds:
-                continue
-            stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
-            for line in plane.lines:
-                lines.append((plane, line))
-                events = line.events
-                for first in range(0, len(events), _CHUNK_EVENTS):
-                    batch = events[first:first + _CHUNK_EVENTS]
-                    _decode_batch(batch, line.timestamp_ns, kinds, stat_names, intern, parts, len(lines) - 1)
-        columns = {
-            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
-            for allocator, pieces in ((k, v) for k, v in parts.items())
-        }
-    except ValueError as exc:
-        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
-    return columns, texts, intern, lines
+            column = np.zeros(n, dtype=np.uint64)
+            here = np.nonzero(here)[0]
+            if len(here):
+                value, length = _varints(buf, pos[here] + 1)
+                column[here] = value
+                pos[here] += 1 + length
+        columns.append(column)
+    rest = pos < ends
+    # What may follow: the stats (field 4, length-delimited) alone; anything else is read in full.
+    odd = np.nonzero(rest & (buf[np.minimum(pos, last)] != (_EVENT_STATS << 3 | _WIRE_LEN)))[0]
+    return (*columns, pos, odd)
 
 
-def _decode_batch(batch, timestamp_ns, kinds, stat_names, intern, parts, line_number) -> None:
-    lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
-    # Padding past the end lets a damaged varint be read without an index error.
-    buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    # Memory events first: an event's metadata id is its first field when it is set.
-    has_id = buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    ids = np.zeros(len(batch), dtype=np.uint64)
-    ids[has_id] = _varints(buf, starts[has_id] + 1)[0]
-    memory_ids = np.array(sorted(kinds), dtype=np.uint64)
-    chosen = np.nonzero(has_id & np.isin(ids, memory_ids))[0]
-    if not len(chosen):
-        return
-    kind_of_id = np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8)
-    # A dozen arrays per stat live while a group is decoded: small groups keep that memory
-    # small next to the trace itself.
-    for first in range(0, len(chosen), _GROUP_EVENTS):
-        group = chosen[first:first + _GROUP_EVENTS]
-        kind = kind_of_id[np.searchsorted(memory_ids, ids[group])]
-        _decode_group(buf, starts[group], ends[group], kind, timestamp_ns, stat_names, intern, parts, line_number)
-
-
-def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, parts, line_number) -> None:
-    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends)
+def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:
+    stat_names = info.stat_names
+    offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
 
     # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
-    slot_of = {mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}
-    unique_ids, inverse = np.unique(stat_id, return_inverse=True)
-    slots = np.array([slot_of.get(int(i), -1) for i in unique_ids], dtype=np.int8)[inverse]
-    del stat_id, inverse
+    table = info.slot_table
+    slots = np.where(stat_id < len(table), table[np.minimum(stat_id, len(table) - 1).astype(np.int64)], -1)
+    del stat_id
 
     n = len(starts)
     row_int = np.zeros((FIRST_TEXT_SLOT, n), dtype=np.int64)
@@ -317,9 +263,8 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
     allocator = np.full(n, -1, dtype=np.int64)
 
     as_int = stat_value.view(np.int64)
-    for slot in range(FIRST_TEXT_SLOT):
-        pick = slots == slot
-        row_int[slot, owner[pick]] = as_int[pick]
+    pick = (slots >= 0) & (slots < FIRST_TEXT_SLOT)
+    row_int[slots[pick], owner[pick]] = as_int[pick]
     pick = slots == FRAGMENTATION_SLOT
     is_double = pick & (stat_field == _STAT_DOUBLE)
     fragmentation[owner[is_double]] = stat_value[is_double].view(np.float64)
@@ -328,8 +273,18 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
 
     text_slots = slots >= FIRST_TEXT_SLOT + 1
     ref = text_slots & (stat_field == _STAT_REF)
-    ref_ids, ref_inverse = np.unique(stat_value[ref], return_inverse=True)
-    ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
+    ref_ids = stat_value[ref]
+    known = info.ref_texts  # the interned name of each stat metadata id met so far, -1 for none yet
+    if (ref_ids < len(known)).all():
+        ref_ids = ref_ids.astype(np.int64)
+        missing = known[ref_ids] < 0
+        if missing.any():
+            for i in np.unique(ref_ids[missing]).tolist():  # interned in the order of their ids
+                known[i] = intern(stat_names.get(i, ""))
+        ref_text = known[ref_ids]
+    else:
+        ref_ids, ref_inverse = np.unique(ref_ids, return_inverse=True)
+        ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
     strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
     string_text = np.array(
         [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
@@ -337,14 +292,13 @@ def _decode_group(buf, starts, ends, kind, timestamp_ns, stat_names, intern, par
         dtype=np.int64,
     )
     for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):
-        for k, slot in enumerate(range(FIRST_TEXT_SLOT + 1, ALLOCATOR_SLOT)):
-            pick = slots[rows] == slot
-            row_text[k, owner[rows[pick]]] = values[pick]
+        pick = slots[rows] < ALLOCATOR_SLOT
+        row_text[slots[rows[pick]] - (FIRST_TEXT_SLOT + 1), owner[rows[pick]]] = values[pick]
         pick = slots[rows] == ALLOCATOR_SLOT
         allocator[owner[rows[pick]]] = values[pick]
 
     time_ns = ((np.uint64(timestamp_ns) * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
-    for name_index in np.unique(allocator):
+    for name_index in [allocator[0]] if len(allocator) and (allocator == allocator[0]).all() else np.unique(allocator):
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
         mine = allocator == name_index

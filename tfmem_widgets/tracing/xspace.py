@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import TraceDataError
 from .attribution import name_unnamed_allocations
 from .events import ALLOC, FREE, AllocatorEvents, events_from_columns
-from .wire import read_memory_columns
+from .lines import read_memory_columns
 
 __all__ = ["ALLOC", "FREE", "AllocatorEvents", "read_xspace", "read_xplane_file"]
 

@@ -1,0 +1,207 @@
+"""The profiler's XSpace read line by line: each line's events joined into one buffer a batch at
+a time, and from it both the memory events (decoded by wire.py) and the activities around them
+(for attribution.py). The XSpace is parsed by protobuf with each line's events left as raw bytes:
+a copy of TensorFlow's own xplane.proto schema in which XLine.events is ``bytes``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import TraceDataError
+from .events import EVENT_KINDS, SLOTS
+from .wire import (
+    _EVENT_DURATION_PS,
+    _EVENT_METADATA_ID,
+    _EVENT_OFFSET_PS,
+    _PADDING,
+    _WIRE_VARINT,
+    _decode_group,
+    _fields,
+    _leading_fields,
+)
+
+_CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
+_GROUP_EVENTS = 1 << 10  # memory events decoded together, at first
+_MAX_GROUP_EVENTS = 1 << 14
+# Events that are no activity: memory events, and the thread pool's own markers.
+NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
+
+
+@functools.lru_cache(maxsize=1)
+def _lean_xspace_class():
+    """XSpace with XLine.events as raw bytes, built from TensorFlow's own schema."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    xplane_pb2.DESCRIPTOR.CopyToProto(proto)
+    old_prefix = f".{proto.package}."
+    proto.name, proto.package = "tfmem_lean_xplane.proto", "tfmem_lean"
+
+    def rename(message):
+        for f in message.field:
+            if f.type_name.startswith(old_prefix):
+                f.type_name = ".tfmem_lean." + f.type_name[len(old_prefix):]
+        for nested in message.nested_type:
+            rename(nested)
+
+    for message in proto.message_type:
+        rename(message)
+        if message.name == "XLine":
+            for f in message.field:
+                if f.name == "events":
+                    f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+                    f.ClearField("type_name")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tfmem_lean.XSpace"))
+
+
+def read_memory_columns(data: bytes | None, source: str):
+    """Columns of every memory event, per allocator (keyed by the allocator's name), the interned
+    texts their op/shape/region columns index, the function that interns a new text, and, by the
+    number memory events carry for their line, the activities of each line of a plane that holds
+    memory events (see _line_activities; attribution names allocations by them).
+    data=None reads the file `source` (and lets its bytes go as soon as protobuf has parsed them).
+
+    Each line's events are joined into one buffer once, a batch at a time, and both the memory
+    events and the activities are read from it."""
+    from google.protobuf.message import DecodeError
+
+    space = _lean_xspace_class()()
+    try:
+        if data is None:
+            with open(source, "rb") as f:
+                space.ParseFromString(f.read())
+        else:
+            space.ParseFromString(data)
+    except DecodeError as exc:
+        raise TraceDataError(f"{source} is not a readable profiler trace (truncated or corrupt: {exc}).") from None
+    except OSError as exc:
+        raise TraceDataError(f"cannot read {source}: {exc.strerror}.") from None
+    if not space.planes:
+        raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
+    texts = [""]
+    text_index = {"": 0}
+
+    def intern(value: str) -> int:
+        index = text_index.get(value)
+        if index is None:
+            index = text_index[value] = len(texts)
+            texts.append(value)
+        return index
+
+    intern.texts = texts  # attribution reads a text back by its index
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    lines = []  # each line's activities, by the number memory events carry
+    try:
+        for plane in space.planes:
+            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
+            if not kinds:
+                continue
+            stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
+            memory_ids = np.array(sorted(kinds), dtype=np.uint64)
+            activity_names = {mid: m.name for mid, m in plane.event_metadata.items()
+                              if not m.name.startswith(NOT_ACTIVITIES)}
+            plane_info = _PlaneInfo(
+                memory_ids=memory_ids,
+                kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
+                slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
+                stat_names=stat_names,
+                activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+                ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
+            )
+            for line in plane.lines:
+                events = line.events
+                spans = []
+                for first in range(0, len(events), _CHUNK_EVENTS):
+                    batch = events[first:first + _CHUNK_EVENTS]
+                    _decode_batch(batch, line.timestamp_ns, plane_info, intern, parts, len(lines), spans)
+                lines.append(_line_activities(spans, activity_names))
+        columns = {
+            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+            for allocator, pieces in ((k, v) for k, v in parts.items())
+        }
+    except ValueError as exc:
+        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
+    return columns, texts, intern, lines
+
+
+class _PlaneInfo(NamedTuple):
+    memory_ids: np.ndarray  # the metadata ids of memory events, sorted
+    kind_of_id: np.ndarray  # ALLOC or FREE, for each of memory_ids
+    slot_table: np.ndarray  # by stat metadata id: its slot in a row (events.SLOTS), -1 for none
+    stat_names: dict  # stat metadata id -> name
+    activity_ids: np.ndarray  # the metadata ids of activities, sorted
+    ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
+
+
+def _slot_table(slot_of: dict) -> np.ndarray:
+    table = np.full(max(slot_of, default=0) + 1, -1, dtype=np.int8)
+    for mid, slot in slot_of.items():
+        table[mid] = slot
+    return table
+
+
+def _line_activities(spans, names):
+    """A line's activities with a duration: (begins ps, ends ps, metadata ids) as arrays ordered
+    innermost last (by begin, the longer first where two begin together), and {metadata id: name}."""
+    if not spans:
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), names
+    begin, end, meta = (np.concatenate(column) for column in zip(*spans))
+    step = np.diff(begin)
+    if (step >= 0).all() and ((step > 0) | (np.diff(end) <= 0)).all():
+        return (begin, end, meta), names  # the profiler wrote them in that order already
+    order = np.lexsort((-end, begin))
+    return (begin[order], end[order], meta[order]), names
+
+
+def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) -> None:
+    """Memory events of a batch of a line's events into parts, its activities onto spans."""
+    lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
+    # Padding past the end lets a damaged varint be read without an index error.
+    buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # An event's metadata id is its first field when it is set: memory events are those.
+    has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
+    meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
+    chosen = np.nonzero(has_id & np.isin(meta, info.memory_ids))[0]
+
+    # Activities: events with a duration and an activity's metadata id; those without their id
+    # first, or laid out otherwise, read field by field.
+    if len(info.activity_ids):
+        odd = odd[~has_id[odd] | np.isin(meta[odd], info.activity_ids)]
+        if len(odd):
+            meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
+            for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
+                varint = wire == _WIRE_VARINT
+                for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
+                                       (_EVENT_DURATION_PS, duration)):
+                    pick = varint & (field == number)
+                    column[odd[alive[pick]]] = value[pick]
+        keep = np.nonzero((duration > 0) & np.isin(meta, info.activity_ids))[0]
+        if len(keep):
+            begin = int(timestamp_ns) * 1000 + offset[keep].astype(np.int64)
+            spans.append((begin, begin + duration[keep].astype(np.int64), meta[keep].astype(np.int64)))
+    if not len(chosen):
+        return
+    kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    # Only the memory events' own fields are kept while their stats are decoded.
+    starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
+    del meta, duration, lengths, has_id, chosen
+    # A dozen arrays per stat live while a group is decoded: small groups keep that memory
+    # small next to the trace itself. Groups grow with the events decoded so far (a sixteenth of
+    # them), so that a long trace is not decoded a thousand events at a time.
+    decoded = sum(len(piece["kind"]) for pieces in parts.values() for piece in pieces)
+    first = 0
+    while first < len(starts):
+        group = slice(first, first + min(max(_GROUP_EVENTS, decoded // 16), _MAX_GROUP_EVENTS))
+        _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns, info,
+                      intern, parts, line_number)
+        decoded += len(starts[group])
+        first = group.stop

@@ -55,6 +55,42 @@ def _parents(begin, end) -> np.ndarray | None:
     return parent
 
 
+def _ids(meta) -> list[int]:
+    """The distinct metadata ids in meta, ascending (np.unique's answer, counted instead of sorted)."""
+    if len(meta) and 0 <= int(meta.min()) and int(meta.max()) < 1 << 22:
+        return np.flatnonzero(np.bincount(meta)).tolist()
+    return np.unique(meta).tolist()
+
+
+def _around(begin, end, meta, times):
+    """The activities (in _activities' order) that cover at least one of times: with every one that
+    encloses them, so their nesting, and the innermost one around each time, are the line's own."""
+    if not len(begin) or not len(times):
+        return begin[:0], end[:0], meta[:0]
+    times = np.sort(times)
+    # Each activity's first time at or after its begin (past the last time: none).
+    counts = np.diff(np.searchsorted(begin, times, side="right"), prepend=0)
+    first = np.full(len(begin), np.iinfo(np.int64).max, dtype=np.int64)
+    first[:int(counts.sum())] = np.repeat(times, counts)
+    keep = np.nonzero(end >= first)[0]
+    return begin[keep], end[keep], meta[keep]
+
+
+def _naming_order(words, inverse, texts, line_spans, begin) -> list[int]:
+    """The order to intern a line's new label words in, as the whole line's activities decide: in
+    the order of the words where they nest, or else of the allocations one at a time (where only
+    those around allocations were nested: whether the rest nest is asked only if it matters)."""
+    by_word = list(range(len(words)))
+    _, first = np.unique(inverse.reshape(-1), return_index=True)
+    by_allocation = np.argsort(first, kind="stable").tolist()
+    known = set(texts)
+    if [k for k in by_word if words[k] not in known] == [k for k in by_allocation if words[k] not in known]:
+        return by_word
+    if len(begin) == len(line_spans[0]) or _parents(*line_spans) is not None:
+        return by_word
+    return by_allocation
+
+
 def _covering(begin, end, parent, times) -> np.ndarray:
     """For each time, the innermost activity covering it (-1 for none)."""
     if not len(begin):
@@ -107,7 +143,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
     # The tf.functions of every thread.
     f_begin, f_end, f_name = [], [], []
     for (begin, end, meta), names in lines:
-        for mid in np.unique(meta).tolist():
+        for mid in _ids(meta):
             match = FUNCTION.search(names[mid])
             if match:
                 pick = meta == mid
@@ -130,6 +166,10 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         for line_number in np.unique(line_of).tolist():
             mine = np.nonzero(line_of == line_number)[0]
             (begin, end, meta), names = parsed[line_number]
+            line_spans = begin, end
+            near = _around(begin, end, meta, times[mine])
+            if not np.any((np.diff(near[0]) == 0) & (np.diff(near[1]) == 0)):
+                begin, end, meta = near  # (twins keep the whole line: which is innermost is the line's say)
             parent = _parents(begin, end)
             if parent is None:  # activities that overlap without nesting: one at a time
                 spans = sorted(zip(begin.tolist(), (-end).tolist(), meta.tolist()))
@@ -140,7 +180,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                     labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
                 continue
             # Per metadata id, looked up for all activities at once.
-            ids = np.unique(meta).tolist()
+            ids = _ids(meta)
             size = max(ids, default=-1) + 1
             xla_of, fn_of = np.zeros(size, dtype=bool), np.full(size, -1, dtype=np.int64)
             for mid in ids:
@@ -169,8 +209,12 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
             unique, inverse = np.unique(keys, return_inverse=True)
             x, rest = np.divmod(unique, f_span * i_span)
             f, i = np.divmod(rest, i_span)
-            words = [intern(label(bool(x), intern.texts[f - 1] if f > 0 else None, names[i - 1] if i > 0 else None))
+            words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[i - 1] if i > 0 else None)
                      for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
+            numbers = [0] * len(words)
+            for k in _naming_order(words, inverse, intern.texts, line_spans, begin):
+                numbers[k] = intern(words[k])
+            words = numbers
             labels[mine] = np.asarray(words, dtype=np.int64)[inverse.reshape(-1)]
         cols["op"][unnamed] = labels.astype(cols["op"].dtype)
     for cols in columns.values():

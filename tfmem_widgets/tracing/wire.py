@@ -165,9 +165,63 @@ def _event_fields(buf, start, end, offset_ps, p):
     return offset_ps, owner, s_start, s_end
 
 
+# By a varint's length in bytes (1 to 8; 0 and 9 match nothing): the high bits it must show
+# (set on all its bytes but the last) among those of its bytes, and the mask of its 7-bit groups.
+_OWN = np.array([(1 << 8 * k) - 1 for k in range(9)] + [0], dtype=np.uint64)
+_OWN_HIGH = _OWN & _HIGH_BITS
+_CONTINUED = np.concatenate([[np.uint64(1)], _OWN[:-1] & _HIGH_BITS])  # (for length 0, a bit no masked word has)
+_OWN_LOW = _OWN & _LOW_BITS
+
+
 def _stat_fields(buf, start, end):
     """(metadata id, value field number, raw value, {stat: (text position, length)}) of each
-    stat. A stat is its metadata id then one value; others go through the generic walk."""
+    stat. A stat is its metadata id then one value. Where every stat's id and value tag are one
+    byte each (the profiler's: stat ids are small), each value is read knowing where it ends
+    (its stat's end), all at once; the stats that do not end there, and any other layout, are
+    read by _stat_fields_walked."""
+    n = len(start)
+    if not n or not (buf[start] == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)).all():
+        return _stat_fields_walked(buf, start, end)
+    stat_id = buf[start + 1]
+    tag = buf[start + 2]
+    if not ((stat_id < 0x80).all() and (tag < 0x80).all()):
+        return _stat_fields_walked(buf, start, end)
+    stat_id = stat_id.astype(np.uint64)
+    stat_field = (tag >> 3).astype(np.int8)
+    wire = tag & 7
+    del tag
+    at = start + 3
+    if int(at.max()) + 8 > len(buf):
+        return _stat_fields_walked(buf, start, end)
+    length = end - at
+    word = _words(buf)[at]  # the value's first eight bytes (the padding past the end covers the last ones)
+    fit = np.clip(length, 0, 9)
+    is_int = wire == _WIRE_VARINT
+    # A varint ends at its stat's end when the high bits of its bytes are set but on the last.
+    ok = is_int & ((word & _OWN_HIGH[fit]) == _CONTINUED[fit])
+    value = word & _OWN_LOW[fit]
+    for keep, high, shift in _PACK:
+        value = (value & keep) | ((value & high) >> shift)
+    is_double = wire == _WIRE_FIXED64
+    ok |= is_double & (length == 8)
+    stat_value = np.where(is_int, value, np.where(is_double, word, np.uint64(0)))
+    del value
+    is_text = np.nonzero(wire == _WIRE_LEN)[0]
+    size = (word[is_text] & np.uint64(0xFF)).astype(np.int64)
+    fits = (size < 0x80) & (length[is_text] == size + 1)
+    ok[is_text[fits]] = True
+    is_text, size = is_text[fits], size[fits]
+    texts = dict(zip(is_text.tolist(), zip((at[is_text] + 1).tolist(), size.tolist())))
+    redo = np.nonzero(~ok)[0]
+    if len(redo):
+        stat_id[redo], stat_field[redo], stat_value[redo], more = _stat_fields_walked(buf, start[redo], end[redo])
+        texts.update((int(redo[k]), place) for k, place in more.items())
+    return stat_id, stat_field, stat_value, texts
+
+
+def _stat_fields_walked(buf, start, end):
+    """_stat_fields for any layout: a stat's id and value read as varints where they begin, and
+    the stats laid out otherwise walked field by field."""
     n = len(start)
     stat_id = np.zeros(n, dtype=np.uint64)
     stat_field = np.zeros(n, dtype=np.int8)

@@ -128,23 +128,26 @@ def _event_fields(buf, start, end, offset_ps, p):
     layout is read in lockstep across all events; an event laid out otherwise goes through the
     generic walk."""
     odd = buf[start] != (_EVENT_METADATA_ID << 3 | _WIRE_VARINT)
-    p = p.copy()
     owners, starts, sizes = [], [], []
     alive = np.nonzero((p < end) & ~odd)[0]
+    q, last = p[alive], end[alive]  # the next stat's position and the end, of the events still read
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
     while len(alive):
-        q = p[alive]
         tag, size = buf[q], buf[q + 1].astype(np.int64)
         plain = (tag == stat_tag) & (size < 0x80)
-        odd[alive[~plain]] = True
-        alive, q, size = alive[plain], q[plain], size[plain]
+        if not plain.all():
+            odd[alive[~plain]] = True
+            alive, q, last, size = alive[plain], q[plain], last[plain], size[plain]
+        q = q + 2
         owners.append(alive)
-        starts.append(q + 2)
+        starts.append(q)
         sizes.append(size)
-        p[alive] = q + 2 + size
-        if (p[alive] > end[alive]).any():
+        q = q + size
+        if (q > last).any():
             raise ValueError("a stat runs past the end of its event")
-        alive = alive[p[alive] < end[alive]]
+        more = q < last
+        if not more.all():
+            alive, q, last = alive[more], q[more], last[more]
     redo = np.nonzero(odd)[0]
     if len(redo):
         # Rare layouts: walk those events field by field from their start again.

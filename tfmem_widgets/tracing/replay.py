@@ -160,36 +160,24 @@ class Replay:
 
     def run_to(self, index: int) -> Replay:
         """step() up to event `index`, with the common moves (a chunk taken from the front of a
-        free one, a free beside free neighbours in a known region) done here in line: a call per
-        event and per free-chunk change would cost more than the move itself."""
+        free one, a free beside free neighbours in a known region) done here in line: a call of the
+        full rules per event would cost more than the move itself."""
         kinds, addresses, sizes, requesteds = self._columns()
-        free, free_end, free_sizes, heap, in_use = self._free, self._free_end, self._free_sizes, self._heap, self.in_use
+        free, free_end, in_use = self._free, self._free_end, self.in_use
         region_starts, regions = self._region_starts, self.regions
-        push, bisect_right = heapq.heappush, bisect.bisect_right
+        add_free, remove_free, bisect_right = self._add_free, self._remove_free, bisect.bisect_right
         while self.position < index:
             i = self.position + 1
             address, size = addresses[i], sizes[i]
             if kinds[i] == ALLOC:
-                whole = free.pop(address, None)
+                whole = free.get(address)
                 if whole is None or whole < size:
-                    if whole is not None:
-                        free[address] = whole
                     self._allocate(i, address, size, requesteds[i])
-                    self.position = i
-                    continue
-                del free_end[address + whole]
-                left = free_sizes[whole] - 1
-                if left:
-                    free_sizes[whole] = left
                 else:
-                    del free_sizes[whole]
-                if whole > size:  # the rest stays free, after the chunk
-                    rest = whole - size
-                    free[address + size] = rest
-                    free_end[address + whole] = address + size
-                    free_sizes[rest] = free_sizes.get(rest, 0) + 1
-                    push(heap, -rest)
-                in_use[address] = (size, i)
+                    remove_free(address)
+                    if whole > size:  # the rest stays free, after the chunk
+                        add_free(address + size, whole - size)
+                    in_use[address] = (size, i)
                 self.position = i
                 continue
             r = bisect_right(region_starts, address) - 1
@@ -200,29 +188,12 @@ class Replay:
             bounds = regions[r]
             start, total, right = address, size, address + size
             if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
-                merged = free.pop(right)
-                del free_end[right + merged]
-                count = free_sizes[merged] - 1
-                if count:
-                    free_sizes[merged] = count
-                else:
-                    del free_sizes[merged]
-                total += merged
+                total += remove_free(right)
             left = free_end.get(address)
             if left is not None and left >= bounds.address:  # and with the one before
-                merged = free.pop(left)
-                del free_end[address]
-                count = free_sizes[merged] - 1
-                if count:
-                    free_sizes[merged] = count
-                else:
-                    del free_sizes[merged]
-                total += merged
+                total += remove_free(left)
                 start = left
-            free[start] = total
-            free_end[start + total] = start
-            free_sizes[total] = free_sizes.get(total, 0) + 1
-            push(heap, -total)
+            add_free(start, total)
             self.position = i
         return self
 

@@ -51,6 +51,21 @@ def finish_fresh(proc: subprocess.Popen, timeout: float = 240) -> dict:
     return json.loads(lines[-1])
 
 
+# A probe's data against its plan (tests/test_plan.py in lab mode, tests/test_gpu.py on a GPU): the
+# search's Dense model, make_batch and the share of its data the device holds besides the step's batch.
+PROBE_DATA_MODEL = """
+import keras, numpy as np, tensorflow as tf
+from tfmem_widgets.fit.plan_search import data_on_device
+from tfmem_widgets.fit.probe import probe_dataset
+def make_batch(n):
+    return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=True)
+share = data_on_device(make_batch, model)
+"""
+
+
 def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
     """Run `code` in a new Python process; it must print one JSON object as its last line."""
     return finish_fresh(start_fresh(code, env), timeout)

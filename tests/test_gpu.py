@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import FRESH_SHELL, run_fresh
+from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -272,17 +272,7 @@ def test_a_plan_with_the_fits_data_on_the_gpu_meets_the_probes_measured_peak():
     # A probe fits on make_batch's arrays made into a dataset: on a GPU they become a constant on the
     # device, beside the step's own copy of the batch. The plan search counts that share, measured.
     out = fresh(
-        """
-        tfmem_widgets.setup(growth=True)
-        import keras, numpy as np, tensorflow as tf
-        from tfmem_widgets.fit.plan_search import data_on_device
-        from tfmem_widgets.fit.probe import probe_dataset
-        def make_batch(n):
-            return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
-                                  keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=True)
-        share = data_on_device(make_batch, model)
+        "tfmem_widgets.setup(growth=True)\n" + PROBE_DATA_MODEL + textwrap.dedent("""
         planned = tfmem_widgets.plan(model, make_batch(8), 32768)
         held = sum(int(size * share) for size in planned.batch_sizes)
         tf.config.experimental.reset_memory_stats("GPU:0")
@@ -291,7 +281,7 @@ def test_a_plan_with_the_fits_data_on_the_gpu_meets_the_probes_measured_peak():
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] - before
         print(json.dumps({"share": share, "step": planned.step_bytes, "batch": planned.batch_bytes,
                           "resident": planned.resident_bytes, "held": held, "peak": peak}))
-        """,
+        """),
         env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
     )
     print(out)

@@ -8,7 +8,7 @@ in lab mode aborts its process, so nothing here runs near a limit in this proces
 import pytest
 
 import tfmem_widgets
-from conftest import run_fresh
+from conftest import PROBE_DATA_MODEL, run_fresh
 from tfmem_widgets.errors import SetupError
 
 MiB = 1 << 20
@@ -174,15 +174,7 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
 PROBE_DATA = """
 import json, tfmem_widgets
 tfmem_widgets.setup(lab_mb=1024)
-import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.plan_search import data_on_device
-from tfmem_widgets.fit.probe import probe_dataset
-def make_batch(n):
-    return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
-model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
-                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
-model.compile("adam", "mse", jit_compile=True)
-share = data_on_device(make_batch, model)
+""" + PROBE_DATA_MODEL + """
 with tf.device("CPU:0"):
     spare = tf.zeros([700 << 18]); del spare
 rows = []

@@ -52,7 +52,8 @@ def finish_fresh(proc: subprocess.Popen, timeout: float = 240) -> dict:
 
 
 # A probe's data against its plan (tests/test_plan.py in lab mode, tests/test_gpu.py on a GPU): the
-# search's Dense model, make_batch and the share of its data the device holds besides the step's batch.
+# search's Dense model and make_batch; data_on_device(make_batch, model) measures the share of its data the
+# device holds besides the step's batch.
 PROBE_DATA_MODEL = """
 import keras, numpy as np, tensorflow as tf
 from tfmem_widgets.fit.plan_search import data_on_device
@@ -62,7 +63,6 @@ def make_batch(n):
 model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
                           keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
 model.compile("adam", "mse", jit_compile=True)
-share = data_on_device(make_batch, model)
 """
 
 

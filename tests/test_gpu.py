@@ -270,24 +270,30 @@ def test_trace_on_two_logical_gpus_rebuilds_the_oom_dump_and_draws(tmp_path):
 
 def test_a_plan_with_the_fits_data_on_the_gpu_meets_the_probes_measured_peak():
     # A probe fits on make_batch's arrays made into a dataset: on a GPU they become a constant on the
-    # device, beside the step's own copy of the batch. The plan search counts that share, measured.
+    # device, beside the step's own copy of the batch. The plan search counts that share, measured, and
+    # what the growing pool hands out for the step: its 388 MiB buffer took a new 512 MiB region whole
+    # on the H100 (the no-split rule; without it the plan stood 106 MiB under the fit's peak). The fit
+    # runs first, as in a probe's fresh process; then the plan.
     out = fresh(
         "tfmem_widgets.setup(growth=True)\n" + PROBE_DATA_MODEL + textwrap.dedent("""
-        planned = tfmem_widgets.plan(model, make_batch(8), 32768)
-        held = sum(int(size * share) for size in planned.batch_sizes)
-        tf.config.experimental.reset_memory_stats("GPU:0")
-        before = tf.config.experimental.get_memory_info("GPU:0")["current"]
         model.fit(probe_dataset(make_batch(32768), 2), epochs=1, verbose=0)
-        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] - before
+        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+        share = data_on_device(make_batch, model)
+        planned = tfmem_widgets.plan(model, make_batch(8), 32768)
+        held = tuple(int(size * share) for size in planned.batch_sizes)
         print(json.dumps({"share": share, "step": planned.step_bytes, "batch": planned.batch_bytes,
-                          "resident": planned.resident_bytes, "held": held, "peak": peak}))
+                          "resident": planned.resident_bytes, "held": sum(held), "peak": peak,
+                          "take": planned.take_in_fresh_pool(held=held), "text": repr(planned)}))
         """),
         env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
     )
-    print(out)
+    print(out.pop("text"), out)
     assert abs(out["share"] - 1.0) < 0.01   # the arrays, once, on the device
-    planned = out["resident"] + out["batch"] + out["step"] + out["held"]
-    assert abs(out["peak"] - planned) <= 0.01 * out["peak"]
+    assert out["take"] is not None and out["take"] >= out["step"]
+    planned = out["resident"] + out["held"] + out["batch"] + out["take"]
+    # The small variables' chunks, shaped by Keras initializers' transients, take a few MiB more whole than the
+    # pool model knows (10.0 MiB on the H100); the step's own buffer is placed as the model places it.
+    assert planned <= out["peak"] <= planned + 16 * MiB
 
 
 def test_the_package_profiles_the_host_alone_and_the_device_tracer_is_off():

@@ -175,6 +175,7 @@ PROBE_DATA = """
 import json, tfmem_widgets
 tfmem_widgets.setup(lab_mb=1024)
 """ + PROBE_DATA_MODEL + """
+share = data_on_device(make_batch, model)
 with tf.device("CPU:0"):
     spare = tf.zeros([700 << 18]); del spare
 rows = []

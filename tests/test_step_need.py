@@ -3,6 +3,8 @@
 The maps here are built by hand (a pool of three regions); the lab-mode fit that makes them for
 real, and the batch it names trained in a fresh process, are in tests/test_oom_explained.py."""
 
+from dataclasses import replace
+
 from tfmem_widgets.oom.layers import ACTIVATIONS, OPTIMIZER_STATE, OTHER, PARAMETERS, LayerAnatomy
 from tfmem_widgets.oom.report import FRAGMENTATION, LIMIT, OomReport, StepNeed
 from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
@@ -197,3 +199,69 @@ def test_a_gpu_models_step_is_planned_from_its_cpu_copy_never_on_the_refused_car
     found = need.step_need(fit, 64 * MiB, seconds=5)
     assert found.source == "cpu plan" and found.estimate and found.peak_bytes, found
     assert "XLA's CPU program of a copy of the model: an estimate of its GPU program" in "\n".join(found.lines("64 MiB"))
+
+
+# Measured on an H100 (TensorFlow 2.21, Keras 3.15), a Dense 512-1024-1024-1 Adam model under a 2000 MB logical
+# device (no growth: one region of the whole limit), XLA's autotuner off, batch 120,298 from a probe's arrays:
+# the plan's bytes fit (1,995,153,497 B with the fit's data), the probe ran out of memory on a 4-byte request.
+H100_LIMIT = 2000 * MiB
+H100_STEP = (1_482_418_216, 176, 4)
+H100_WEIGHTS = (512 * 1024 * 4, 1024 * 4, 1024 * 1024 * 4, 1024 * 4, 1024 * 4, 4)
+
+
+def _h100_plan(growth=False):
+    from tfmem_widgets.fit.plan import StepPlan
+    from tfmem_widgets.tf.allocator import rounded
+
+    resident = H100_WEIGHTS + H100_WEIGHTS + H100_WEIGHTS + (8, 4)   # weights, Adam's two slots, its counters
+    batch = (120_298 * 512 * 4, 120_298 * 4)
+    return StepPlan(120_298, "GPU:0", sum(map(rounded, resident)), {}, sum(map(rounded, batch)),
+                    sum(map(rounded, H100_STEP)), H100_STEP, 0, LayerAnatomy({}, 0), True, "--xla_gpu_autotune_level=0",
+                    "off", 0.0, 0.0, limit_bytes=H100_LIMIT, limit_source="logical device limit", growth=growth,
+                    resident_sizes=resident, batch_sizes=batch, weight_count=len(H100_WEIGHTS))
+
+
+def test_without_growth_the_steps_buffer_takes_the_rest_of_the_one_region_whole_and_the_plan_says_it_does_not_fit():
+    planned = _h100_plan()
+    held = planned.batch_sizes   # the probe's arrays, a constant on the GPU
+    assert planned.peak_bytes + sum(held) < H100_LIMIT            # by its bytes the step fits, with 97 MiB to spare
+    assert planned.take_in_fresh_pool(held=held) is None           # the 1.38 GiB buffer takes the rest whole
+    assert not planned.fits(held=held)
+    assert "in a fresh process's preallocated pool 1.38 GiB" in "\n".join(planned.lines())   # alone, it fits
+    tight = replace(planned, limit_bytes=planned.peak_bytes + 64 * MiB)
+    assert "does not fit although 64.00 MiB is spare: the pool is one region of the whole limit" in repr(tight)
+    least = planned.least_limit_bytes(held)
+    assert least > H100_LIMIT and least % MiB == 0
+    assert planned.fits(least, held) and not planned.fits(least - MiB, held)
+    # the rest of the region must be 128 MiB or more for the allocator to split it: within a MiB of that
+    rest_needed = planned.step_allocations[0] + (128 << 20)
+    assert abs((least - planned.resident_bytes - 2 * planned.batch_bytes) - rest_needed) <= 2 * MiB
+
+
+def test_an_oom_after_a_chunk_handed_out_whole_says_so_and_the_limit_it_needs():
+    from tfmem_widgets.tf.allocator import rounded
+
+    asked = rounded(H100_STEP[0])
+    held = [18 * MiB, 236 * MiB, 236 * MiB]
+    whole = H100_LIMIT - sum(held)                                 # the rest of the one region
+    chunks, address = [], 0
+    for size, requested in [(s, s) for s in held] + [(whole, H100_STEP[0])]:
+        chunks.append(Chunk(address, size, True, requested=requested, op="(XLA program in multi_step_on_iterator)"))
+        address += size
+    amap = AllocatorMap("GPU_0_bfc", tuple(chunks), (Region(0, address),), "dump")
+    report = OomReport("GPU_0_bfc", "Out of memory while trying to allocate 4B.", 256, amap, H100_LIMIT,
+                       "logical device limit", 80 * 1024 * MiB, "card", step="multi_step_on_iterator", xla=True)
+    assert report.verdict == LIMIT and report.whole_chunk()[0].size == whole
+    text = repr(report)
+    assert "a chunk handed out whole" in text and "without that this request would fit" in text
+    least_mib = -(-(H100_LIMIT + asked + (128 << 20) - whole) // MiB)
+    fixes = report.fixes()
+    assert any(f.startswith(f"raise the limit to at least {least_mib} MiB: then the allocator splits") for f in fixes)
+    assert not any("in use + the XLA program's temporaries" in f for f in fixes)
+    assert any(f.startswith("a smaller batch shrinks the XLA program's buffer") for f in fixes)
+    # a chunk handed out to the byte asked for tells nothing of the kind
+    exact = AllocatorMap("GPU_0_bfc", tuple(Chunk(c.address, c.size, True, requested=c.size) for c in chunks),
+                         (Region(0, address),), "dump")
+    plain = OomReport("GPU_0_bfc", "Out of memory while trying to allocate 4B.", 256, exact, H100_LIMIT,
+                      "logical device limit", 80 * 1024 * MiB, "card", xla=True)
+    assert plain.whole_chunk() is None and "a chunk handed out whole" not in repr(plain)

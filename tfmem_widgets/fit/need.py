@@ -155,7 +155,8 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
                 else "the plan fits a fresh process at this batch: what this process held before the fit did not")
     elif found.notes:
         note = "; ".join(found.notes)
+    least = failing.least_limit_bytes(held(failing), regions=False if failing.estimate else None)
     return StepNeed(fit.batch_size, failing.peak_bytes, failing.resident_bytes, limit, found.batch, found.failure,
                     plans=len(found.plans), seconds=time.perf_counter() - started, estimate=failing.estimate,
-                    note=note)
+                    note=note, least_limit_bytes=least)
 

@@ -88,13 +88,16 @@ class StepPlan(LinesText):
         return self.layers
 
     def take_in_fresh_pool(self, limit_bytes: int | None = None, held: tuple[int, ...] = ()) -> int | None:
-        """What the allocator hands out for the step in a fresh process's pool that grows (lab mode,
-        growth on a GPU): the weights, what the process holds besides (`held`: a fit's data, made
-        before the optimizer's slots), the rest of the variables and the batch take their regions
-        first, then the step's allocations take the rest, whole regions where the no-split rule says
-        so; None when a request finds no room (the step does not fit there although its bytes might)."""
+        """What the allocator hands out for the step in a fresh process's pool: the weights, what the
+        process holds besides (`held`: a fit's data, made before the optimizer's slots), the rest of the
+        variables and the batch are taken first, then the step's allocations, each a whole free chunk
+        where the no-split rule says so. A pool that grows (lab mode, growth on a GPU) makes regions that
+        never merge; without growth the first tensor takes the whole limit as one region, and the step's
+        largest buffer takes the rest of it whole when less than 128 MiB would remain (measured on an
+        H100 under a 2000 MB logical device: the next 4-byte request found nothing). None when a request
+        finds no room: the step does not fit there although its bytes might."""
         limit = self._limit(limit_bytes)
-        pool = GrowingPool(limit)
+        pool = GrowingPool(limit) if self.growth else GrowingPool(limit, first_region=limit)
         weights = self.resident_sizes[:self.weight_count]
         for size in (*weights, *held, *self.resident_sizes[self.weight_count:], *self.batch_sizes):
             if pool.take(size) is None:
@@ -136,16 +139,41 @@ class StepPlan(LinesText):
 
     def fits(self, limit_bytes: int | None = None, held: tuple[int, ...] = (), regions: bool | None = None) -> bool:
         """Whether the step fits under `limit_bytes` (None: the device's limit when planned): its peak
-        (with `held`, bytes the process holds besides) within the limit, and, where the pool grows,
-        each of its allocations finding room in the pool a fresh process has made by then (regions
-        never merge). regions=False judges the bytes alone: an estimate for a graph step, which asks
-        for each tensor apart where XLA asks for its temporaries as one buffer (None: as the step runs)."""
+        (with `held`, bytes the process holds besides) within the limit, and each of its allocations
+        finding room in the pool a fresh process has made by then (take_in_fresh_pool: regions that
+        never merge where the pool grows, one region of the whole limit where it does not, and whole
+        chunks under the no-split rule in both). regions=False judges the bytes alone: an estimate for
+        a graph step, which asks for each tensor apart where XLA asks for its temporaries as one buffer
+        (None: as the step runs)."""
         limit = self._limit(limit_bytes)
         if self.peak_bytes + sum(held) > limit:
             return False
         if regions is None:
             regions = not self.estimate
-        return not (self.growth and regions) or self.take_in_fresh_pool(limit, held) is not None
+        return not regions or self.take_in_fresh_pool(limit, held) is not None
+
+    def least_limit_bytes(self, held: tuple[int, ...] = (), regions: bool | None = None) -> int:
+        """The least limit, to a MiB, under which fits() holds: the peak with `held` where the pool
+        places every allocation, more where a buffer takes a whole chunk (the no-split rule) or a
+        region falls short; searched up from the peak by doubling steps, then halved back."""
+        need = -(-(self.peak_bytes + sum(held)) // MiB) * MiB
+        if self.fits(need, held, regions):
+            return need
+        low, step = need, MiB
+        while not self.fits(need + step, held, regions):
+            low, step = need + step, step * 2
+            if step > max(need, 1 << 30) * 4:
+                return need + step  # nothing near: the pool model finds no room (not expected)
+        high = need + step
+        while high - low > MiB:
+            middle = (low + high) // 2 // MiB * MiB
+            if middle <= low:
+                break
+            if self.fits(middle, held, regions):
+                high = middle
+            else:
+                low = middle
+        return high
 
     def _limit(self, limit_bytes: int | None) -> int:
         limit = self.limit_bytes if limit_bytes is None else limit_bytes
@@ -163,8 +191,7 @@ class StepPlan(LinesText):
         out.append(f"  resident {format_bytes(self.resident_bytes)} ({parts or 'no variables'}), "
                    f"batch {format_bytes(self.batch_bytes)}, step {format_bytes(self.step_bytes)}")
         line = f"  peak {format_bytes(self.peak_bytes)}"
-        take = (self.take_in_fresh_pool() if self.limit_bytes is not None and self.growth and not self.estimate
-                else None)
+        take = self.take_in_fresh_pool() if self.limit_bytes is not None and not self.estimate else None
         if self.limit_bytes is not None:
             spare = self.limit_bytes - self.peak_bytes
             line += f" of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): "
@@ -173,12 +200,18 @@ class StepPlan(LinesText):
             elif self.growth and not self.estimate and take is None:
                 line += (f"does not fit although {format_bytes(spare)} is spare: the pool grows in regions that never "
                          "merge, and in a fresh process's the step's largest allocation finds no room")
+            elif not self.estimate and take is None:
+                line += (f"does not fit although {format_bytes(spare)} is spare: the pool is one region of the whole "
+                         "limit (no growth), the step's largest buffer takes the rest of it whole (a free chunk is "
+                         "split only when 128 MiB or more would remain, or it is twice the request), and the step's "
+                         "next allocation finds no room")
             else:
                 line += f"fits, {format_bytes(spare)} to spare"
         out.append(line)
         out.append(f"  the allocator may hand out up to {format_bytes(self.worst_take_bytes)} for the step "
                    "(whole chunks under its no-split rule)"
-                   + (f"; in a fresh process's growing pool {format_bytes(take)}" if take is not None else ""))
+                   + (f"; in a fresh process's {'growing' if self.growth else 'preallocated'} pool "
+                      f"{format_bytes(take)}" if take is not None else ""))
         out.append(f"  compiled in {self.compile_seconds:.1f} s (traced in {self.trace_seconds:.1f} s); "
                    f"XLA_FLAGS {self.xla_flags or 'unset'}; autotuning: {self.autotuning}")
         if len(self.layers):

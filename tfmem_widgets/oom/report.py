@@ -58,6 +58,8 @@ class StepNeed:
     estimate: bool = False  # the fit runs a graph step: the plans are of the same step under XLA
     source: str = "plan"
     note: str = ""  # what stopped the plans early, or why there are none
+    least_limit_bytes: int | None = None  # the least limit the step fits at its batch, with the fit's data and
+    # its buffers placed as the allocator places them (StepPlan.least_limit_bytes); None: not planned
 
     def lines(self, limit_text: str) -> list[str]:
         out = []
@@ -166,6 +168,25 @@ class OomReport(LinesText):
             return FRAGMENTATION
         return LIMIT if self.capped else SHORTAGE
 
+    def whole_chunk(self) -> tuple[object, int] | None:
+        """The in-use chunk the allocator handed out whole for a smaller request (its no-split rule: a
+        free chunk is split only when at least twice the request or 128 MiB larger), where that excess
+        is at least a MiB, what this request lacks in all and the request itself (split, that excess
+        would be one free chunk): (chunk, the bytes it was asked for, rounded).
+        Measured on an H100 under a 2000 MB logical device: an XLA program's 1.38 GiB buffer took the
+        rest of the one region whole, and its next 4-byte request found nothing. None: no such chunk."""
+        if self.map is None or self.request_bytes is None:
+            return None
+        from ..tf.allocator import rounded
+
+        best = max(((c, rounded(c.requested)) for c in self.map.chunks if c.in_use and c.requested),
+                   key=lambda pair: pair[0].size - pair[1], default=None)
+        if best is None:
+            return None
+        excess = best[0].size - best[1]
+        short = self.map.in_use_bytes + self.request_bytes - (self.limit_bytes or self.map.pool_bytes)
+        return best if excess >= max(MiB, short, rounded(self.request_bytes)) else None
+
     def _needs_line(self) -> str:
         parts = [f"needs {format_bytes(self.request_bytes)}",
                  f"largest hole {format_bytes(self.largest_free_bytes)}",
@@ -201,6 +222,14 @@ class OomReport(LinesText):
             if verdict == LIMIT:
                 lines.append(f"the {self.capacity_source} has {format_bytes(self.capacity_bytes)}: "
                              f"the limit, not the hardware, stops this request")
+        whole = self.whole_chunk()
+        if whole is not None:
+            chunk, asked = whole
+            owner = f" ({chunk.op.strip('()')})" if chunk.op else ""
+            lines.append(f"a chunk handed out whole: {format_bytes(asked)} was asked for{owner} and the allocator gave "
+                         f"the free chunk of {format_bytes(chunk.size)} it found, {format_bytes(chunk.size - asked)} more "
+                         "(it splits a free chunk only when it is at least twice the request or 128 MiB larger); "
+                         "without that this request would fit")
         return lines
 
     def fixes(self) -> list[str]:
@@ -233,10 +262,24 @@ class OomReport(LinesText):
             if self.allocator.startswith("GPU"):
                 out.append("TF_GPU_ALLOCATOR=cuda_malloc_async (before TensorFlow starts) lets CUDA's pool place "
                            "tensors instead of the BFC allocator")
+        whole = self.whole_chunk()
         if verdict == LIMIT:
-            if need is not None:
+            if need is not None and need.least_limit_bytes is not None and need.least_limit_bytes > need.peak_bytes:
+                out.append(f"raise the limit to at least {_mib_up(need.least_limit_bytes)} MiB (the step at batch "
+                           f"{need.batch_size:,} with the fit's data, each buffer placed as the allocator places it; "
+                           f"its peak alone is {format_bytes(need.peak_bytes)}; the {self.capacity_source} has "
+                           f"{format_bytes(self.capacity_bytes)}): restart, then %tfmem setup with the new limit")
+            elif need is not None:
                 out.append(f"raise the limit to at least {_mib_up(need.peak_bytes)} MiB (the step's peak at batch "
                            f"{need.batch_size:,}; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
+                           "restart, then %tfmem setup with the new limit")
+            elif whole is not None and len(self.map.regions) == 1:
+                chunk, asked = whole
+                least = self.limit_bytes + _split_room(chunk.size, asked, self.request_bytes)
+                out.append(f"raise the limit to at least {_mib_up(least)} MiB: then the allocator splits the rest "
+                           f"of its one region for the {format_bytes(asked)} buffer and this request finds room (in "
+                           f"use + this request is not enough: the {format_bytes(chunk.size)} chunk would be handed "
+                           f"out whole again; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
                            "restart, then %tfmem setup with the new limit")
             elif self.xla:
                 out.append(f"raise the limit to at least {_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in "
@@ -274,6 +317,11 @@ class OomReport(LinesText):
                        f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
                        f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "
                        "(workbook notebook 4)")
+        elif self.xla and (whole := self.whole_chunk()) is not None:
+            out.append(f"a smaller batch shrinks the XLA program's buffer ({format_bytes(whole[1])}) until the allocator "
+                       "splits the chunk it takes and the rest holds the program's next requests; "
+                       "tfmem_widgets.plan(model, (x, y), batch_size) in a new process (or %%tfmem batch --plan) gives "
+                       "the batch that fits, placing each buffer as the allocator does")
         elif self.xla:
             out.append(f"the request ({format_bytes(self.request_bytes)}) is the XLA program's temporaries, asked for "
                        f"as one buffer: the step needs at least in use + it, "
@@ -379,6 +427,18 @@ class OomReport(LinesText):
             parts += [f"<i>{escape(n)}</i><br>" for n in self.anatomy.notes]
         parts += [f"<i>note: {escape(n)}</i><br>" for n in self._all_notes()]
         return "".join(parts) + "</div>"
+
+
+def _split_room(chunk_bytes: int, asked_bytes: int, request_bytes: int) -> int:
+    """How much larger the chunk handed out whole must be for the allocator to split it and leave
+    room for the next request: the rest at least 128 MiB (or the chunk twice the buffer), and at
+    least the request."""
+    from ..tf.allocator import MAX_WHOLE_CHUNK_EXCESS, rounded
+
+    rest = max(rounded(request_bytes), 0)
+    by_excess = asked_bytes + max(MAX_WHOLE_CHUNK_EXCESS, rest)
+    by_double = max(2 * asked_bytes, asked_bytes + rest)
+    return max(0, min(by_excess, by_double) - chunk_bytes)
 
 
 def _mib_up(n: int) -> int:

@@ -310,3 +310,47 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     search, then, probed = searched(None)  # an autotuner or the pool's regions decide: the probe past it runs
     assert (then, probed, search.edge) == (DONE, [117_000, 119_340], (117_000, 119_340))
     assert then != UP and search.planned_failure is None
+
+
+def _model_without_xla():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(jit_compile=False)
+
+
+def _no_batch_wanted(n):
+    raise AssertionError("a model without XLA is not planned: make_batch is not called")
+
+
+def test_auto_plans_nothing_for_a_step_without_xla_and_the_search_says_what_the_planning_process_cost(monkeypatch,
+                                                                                                       tmp_path):
+    # method="auto" probes a graph step only: its planning process returns once the model is built (before
+    # any batch or compile), and the search's text counts that process's seconds.
+    import pickle
+    from types import SimpleNamespace
+
+    import tfmem_widgets.fit.fresh as fresh
+    from tfmem_widgets.fit.plan_search import FROM_LOW, plan_first, search_in_process
+    from tfmem_widgets.fit.progress import LineProgress
+
+    path = tmp_path / "functions.pickle"
+    path.write_bytes(pickle.dumps((_model_without_xla, _no_batch_wanted)))
+    found = search_in_process(str(path), 1, 16384, 0.02, 14, xla_only=True)
+    assert (found.batch, found.plans, found.jit_compile) == (None, [], False)
+
+    codes = []
+
+    def planning_process(code, **kwargs):
+        codes.append(code)
+        return SimpleNamespace(values={"found": found})
+
+    monkeypatch.setattr(fresh, "run_checked", planning_process)
+    search = BatchSearch([], 1, 16384, 2, 0.0, 0.02, where="lab mode 128 MB", _run=(b"", {}, {}, 60))
+
+    def probe_one(batch):
+        raise AssertionError("plan_first probes nothing here")
+
+    probe_one.path = path
+    assert plan_first(search, probe_one, LineProgress(quiet=True), auto=True) == FROM_LOW
+    assert "xla_only=True" in codes[0] and search.plans == [] and search.plan_seconds > 0
+    assert "a fresh process to plan first" in repr(search) and "so the search probed only" in repr(search)

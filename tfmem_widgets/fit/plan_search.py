@@ -167,13 +167,21 @@ def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, h
     return min(max(guess, lo + quarter), hi - quarter) if hi - lo > 2 else middle
 
 
-def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int) -> PlanSearch:
-    """In a fresh process set up like the probes: build the model the user's way, then plan."""
+def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
+                      xla_only: bool = False) -> PlanSearch:
+    """In a fresh process set up like the probes: build the model the user's way, then plan. xla_only
+    (method="auto"): a model whose step runs without XLA is not planned at all, only said to be so
+    (its plans would be estimates the search does not use; each costs a compile)."""
     import pickle
+    import time
     from pathlib import Path
 
+    started = time.perf_counter()
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
     model = build_model()
+    jit = getattr(model, "jit_compile", None)
+    if xla_only and jit is not True:
+        return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
     sample = make_batch(min(low, 8))
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
@@ -211,7 +219,7 @@ def data_on_device(make_batch, model, rows: int = 256) -> float:
 
 PLAN_CODE = """
 from tfmem_widgets.fit.plan_search import search_in_process
-found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans})
+found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only})
 """
 
 
@@ -230,7 +238,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     _, setup, env, timeout = search._run
     started = time.perf_counter()
     code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
-                            resolution=search.resolution, max_plans=14)
+                            resolution=search.resolution, max_plans=14, xla_only=auto)
     try:
         run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
                           remember_oom=False)

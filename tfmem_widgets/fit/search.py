@@ -281,6 +281,8 @@ class BatchSearch(LinesText):
             out.append(f"  planned first: {len(self.plans)} plans of the step (XLA's buffer assignment) in "
                        f"{self.plan_seconds:.0f} s, one fresh process; "
                        + (f"the largest batch they fit: {planned:,}" if planned else "none fits"))
+        elif self.plan_seconds:
+            out.append(f"  a fresh process to plan first: {self.plan_seconds:.0f} s, no plans (the notes say why)")
         out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
                    f"{sum(p.seconds for p in self.probes):.0f} s, each in a fresh process:")
         for p in self.probes:

@@ -1,11 +1,10 @@
 """What will fit: the largest batch a Keras model trains with, found in fresh processes.
 
-``max_batch_size(build_model, make_batch)`` builds the model the user's way in a new process
-per probe (a pool does not come back within a process: nothing at del or gc, wholly empty GPU regions
-only when a request fails; so a probe after an OOM would
-measure a used pool), runs a few train steps on one batch, and records the allocator's exact
-highest in-use figure, or the OOM. The functions travel by value (cloudpickle), so functions
-defined in a notebook work.
+``max_batch_size(build_model, make_batch)`` builds the model the user's way in a new process per
+probe (a pool does not come back within a process: nothing at del or gc, wholly empty GPU regions only
+when a request fails; so a probe after an OOM would measure a used pool), runs a few train steps on
+one batch, and records the allocator's exact highest in-use figure, or the OOM. The functions travel
+by value (cloudpickle), so functions defined in a notebook work.
 
 The search grows the batch until one fails, each probe aimed at the edge a straight line through
 the peaks of the batches that trained predicts (peak = fixed + per example x batch; at least 1.25
@@ -301,8 +300,7 @@ class BatchSearch(LinesText):
             out.append("  interrupted: the search stopped with the probes above")
         if largest is not None:
             out.append(f"  note: {NUMPY_NOTE}")
-        out += [f"  note: {n}" for n in self.notes]
-        return out
+        return out + [f"  note: {n}" for n in self.notes]
 
     # -- picture -----------------------------------------------------------------------------
     def plot(self, ax=None, pick: int | None = None):

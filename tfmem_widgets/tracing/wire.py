@@ -205,6 +205,21 @@ def _stat_fields(buf, start, end):
     value = word & _OWN_LOW[fit]
     for keep, high, shift in _PACK:
         value = (value & keep) | ((value & high) >> shift)
+    # Varints of 9 or 10 bytes (negative int64s, and numbers from 2**56): eight continued bytes,
+    # then one or two more read apart; the bits past 64 are dropped, as _varints_bytewise does.
+    long = np.nonzero(is_int & (length > 8) & (length <= 10))[0]
+    if len(long):
+        head = word[long]
+        ninth = buf[at[long] + 8]
+        tenth = np.where(length[long] == 10, buf[np.minimum(at[long] + 9, end[long] - 1)], 0)
+        good = ((head & _HIGH_BITS) == _HIGH_BITS) & ((ninth >= 0x80) == (length[long] == 10)) & (tenth < 0x80)
+        head &= _LOW_BITS
+        for keep, high, shift in _PACK:
+            head = (head & keep) | ((head & high) >> shift)
+        head |= (ninth & 0x7F).astype(np.uint64) << np.uint64(56)
+        head |= (tenth & 0x7F).astype(np.uint64) << np.uint64(63)
+        value[long] = head
+        ok[long] = good
     is_double = wire == _WIRE_FIXED64
     ok |= is_double & (length == 8)
     stat_value = np.where(is_int, value, np.where(is_double, word, np.uint64(0)))

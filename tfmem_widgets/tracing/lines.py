@@ -100,20 +100,28 @@ def read_memory_columns(data: bytes | None, source: str):
     lines = []  # each line's activities, by the number memory events carry
     try:
         for plane in space.planes:
-            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
+            # One pass over the event metadata (a plane has hundreds): memory events and activities.
+            kinds, activity_names = {}, {}
+            for mid, m in plane.event_metadata.items():
+                name = m.name
+                if name in EVENT_KINDS:
+                    kinds[mid] = EVENT_KINDS[name]
+                if not name.startswith(NOT_ACTIVITIES):
+                    activity_names[mid] = name
             if not kinds:
                 continue
             stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
             memory_ids = np.array(sorted(kinds), dtype=np.uint64)
-            activity_names = {mid: m.name for mid, m in plane.event_metadata.items()
-                              if not m.name.startswith(NOT_ACTIVITIES)}
+            activity_ids = np.array(sorted(activity_names), dtype=np.uint64)
             plane_info = _PlaneInfo(
                 memory_ids=memory_ids,
                 kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
                 slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
                 stat_names=stat_names,
-                activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+                activity_ids=activity_ids,
                 ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
+                kind_table=_id_table(kinds),
+                activity_table=_id_table(dict.fromkeys(activity_names, 1)),
             )
             for line in plane.lines:
                 events = line.events
@@ -138,6 +146,41 @@ class _PlaneInfo(NamedTuple):
     stat_names: dict  # stat metadata id -> name
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
     ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
+    kind_table: np.ndarray | None  # by event metadata id: ALLOC, FREE or 0 (see _id_table)
+    activity_table: np.ndarray | None  # by event metadata id: 1 for an activity, else 0
+
+
+# Metadata ids up to this are looked up in a table; a plane with larger ones (not the profiler's:
+# its ids count up from 1) is looked up with np.isin.
+_MAX_TABLE_ID = 1 << 20
+
+
+def _id_table(value_of: dict) -> np.ndarray | None:
+    """By metadata id, its value in value_of, 0 for the others; one entry more, 0, stands for every
+    id past the last (see _looked_up). None where the ids are too large for a table, or negative."""
+    if max(value_of, default=0) > _MAX_TABLE_ID or min(value_of, default=0) < 0:
+        return None
+    table = np.zeros(max(value_of, default=0) + 2, dtype=np.int8)
+    for mid, value in value_of.items():
+        table[mid] = value
+    return table
+
+
+def _looked_up(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """table's value for each metadata id (uint64): the ids past the table read its last entry, 0."""
+    return table[np.minimum(ids, np.uint64(len(table) - 1)).astype(np.intp)]
+
+
+def _is_memory(info: _PlaneInfo, meta: np.ndarray) -> np.ndarray:
+    if info.kind_table is None:
+        return np.isin(meta, info.memory_ids)
+    return _looked_up(info.kind_table, meta) != 0
+
+
+def _is_activity(info: _PlaneInfo, meta: np.ndarray) -> np.ndarray:
+    if info.activity_table is None:
+        return np.isin(meta, info.activity_ids)
+    return _looked_up(info.activity_table, meta) != 0
 
 
 def _slot_table(slot_of: dict) -> np.ndarray:
@@ -170,12 +213,12 @@ def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) 
     # An event's metadata id is its first field when it is set: memory events are those.
     has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
     meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
-    chosen = np.nonzero(has_id & np.isin(meta, info.memory_ids))[0]
+    chosen = np.nonzero(has_id & _is_memory(info, meta))[0]
 
     # Activities: events with a duration and an activity's metadata id; those without their id
     # first, or laid out otherwise, read field by field.
     if len(info.activity_ids):
-        odd = odd[~has_id[odd] | np.isin(meta[odd], info.activity_ids)]
+        odd = odd[~has_id[odd] | _is_activity(info, meta[odd])]
         if len(odd):
             meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
             for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
@@ -184,13 +227,16 @@ def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) 
                                        (_EVENT_DURATION_PS, duration)):
                     pick = varint & (field == number)
                     column[odd[alive[pick]]] = value[pick]
-        keep = np.nonzero((duration > 0) & np.isin(meta, info.activity_ids))[0]
+        keep = np.nonzero((duration > 0) & _is_activity(info, meta))[0]
         if len(keep):
             begin = int(timestamp_ns) * 1000 + offset[keep].astype(np.int64)
             spans.append((begin, begin + duration[keep].astype(np.int64), meta[keep].astype(np.int64)))
     if not len(chosen):
         return
-    kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    if info.kind_table is None:
+        kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    else:
+        kind = _looked_up(info.kind_table, meta[chosen])
     # Only the memory events' own fields are kept while their stats are decoded.
     starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
     del meta, duration, lengths, has_id, chosen

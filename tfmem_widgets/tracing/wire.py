@@ -132,9 +132,12 @@ def _event_fields(buf, start, end, offset_ps, p):
     alive = np.nonzero((p < end) & ~odd)[0]
     q, last = p[alive], end[alive]  # the next stat's position and the end, of the events still read
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
+    # The two bytes at each position as one number (tag, then size): read together, one gather.
+    pairs = np.ndarray((max(len(buf) - 1, 0),), dtype="<u2", buffer=buf, strides=(1,))
     while len(alive):
-        tag, size = buf[q], buf[q + 1].astype(np.int64)
-        plain = (tag == stat_tag) & (size < 0x80)
+        pair = pairs[q]
+        plain = (pair & 0x80FF) == stat_tag  # the stats tag, and a size of one byte
+        size = (pair >> 8).astype(np.int64)
         if not plain.all():
             odd[alive[~plain]] = True
             alive, q, last, size = alive[plain], q[plain], last[plain], size[plain]

@@ -146,10 +146,10 @@ def _event_fields(buf, start, end, offset_ps, p):
         starts.append(q)
         sizes.append(size)
         q = q + size
-        if (q > last).any():
-            raise ValueError("a stat runs past the end of its event")
         more = q < last
-        if not more.all():
+        if not more.all():  # (a stat that runs past its event's end ends its reading, so is among these)
+            if (q[~more] > last[~more]).any():
+                raise ValueError("a stat runs past the end of its event")
             alive, q, last = alive[more], q[more], last[more]
     redo = np.nonzero(odd)[0]
     if len(redo):
@@ -396,13 +396,15 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
 
     stamp = timestamp_ns if isinstance(timestamp_ns, np.ndarray) else np.uint64(timestamp_ns)
     time_ns = ((stamp * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
-    for name_index in [allocator[0]] if len(allocator) and (allocator == allocator[0]).all() else np.unique(allocator):
+    one = len(allocator) and (allocator == allocator[0]).all()
+    for name_index in [allocator[0]] if one else np.unique(allocator):
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
-        mine = allocator == name_index
+        # All the group's events (one allocator, the usual case): the columns as they are.
+        mine = slice(None) if one else allocator == name_index
         columns = {"time_ns": time_ns[mine], "kind": kind[mine],
                    "line": line_number[mine] if isinstance(line_number, np.ndarray) else
-                   np.full(int(mine.sum()), line_number, dtype=np.int64)}
+                   np.full(len(time_ns[mine]), line_number, dtype=np.int64)}
         for column, stat in STAT_OF_COLUMN.items():  # each column from its stat's slot (events.py)
             slot = SLOTS[stat]
             if slot == FRAGMENTATION_SLOT:

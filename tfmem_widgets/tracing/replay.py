@@ -47,6 +47,7 @@ class Replay:
         self._free_end: dict[int, int] = {}  # end -> start
         self._free_sizes: dict[int, int] = {}  # size -> count
         self._heap: list[int] = []  # -size, lazily cleaned
+        self._heap_stale = False  # run_to does not keep the heap: largest_free rebuilds it then
         self.in_use: dict[int, tuple[int, int]] = {}  # address -> (size, allocating event)
         self.region_created: dict[int, int] = {}  # region address -> the event that made it
         self.before_trace_bytes = events.in_use_before() if len(events) else 0
@@ -73,6 +74,10 @@ class Replay:
         return size
 
     def largest_free(self) -> int:
+        if self._heap_stale:
+            self._heap = [-size for size in self._free_sizes]
+            heapq.heapify(self._heap)
+            self._heap_stale = False
         heap = self._heap
         while heap and -heap[0] not in self._free_sizes:
             heapq.heappop(heap)
@@ -162,12 +167,15 @@ class Replay:
         """step() up to event `index`, with the common moves (a chunk taken from the front of a
         free one, a free beside free neighbours in a known region) done here in line: a call of the
         full rules per event would cost more than the move itself. The free-chunk bookkeeping
-        (_add_free, _remove_free) is written out here too, for the same reason."""
+        (_add_free, _remove_free) is written out here too, for the same reason, without the heap
+        of free sizes: only largest_free reads it, and rebuilds it after a run_to."""
         kinds, addresses, sizes, requesteds = self._columns()
-        free, free_end, free_sizes, heap, in_use = self._free, self._free_end, self._free_sizes, self._heap, self.in_use
+        free, free_end, free_sizes, in_use = self._free, self._free_end, self._free_sizes, self.in_use
         region_starts, regions = self._region_starts, self.regions
-        remove_free, bisect_right, heappush = self._remove_free, bisect.bisect_right, heapq.heappush
+        remove_free, bisect_right = self._remove_free, bisect.bisect_right
         done = self.position  # the last event applied
+        if done < index:
+            self._heap_stale = True
         try:
             while done < index:
                 i = done + 1
@@ -191,7 +199,6 @@ class Replay:
                         free[address + size] = rest
                         free_end[address + whole] = address + size
                         free_sizes[rest] = free_sizes.get(rest, 0) + 1
-                        heappush(heap, -rest)
                     in_use[address] = (size, i)
                     done = i
                     continue
@@ -212,7 +219,6 @@ class Replay:
                 free[start] = total  # (_add_free in line)
                 free_end[start + total] = start
                 free_sizes[total] = free_sizes.get(total, 0) + 1
-                heappush(heap, -total)
                 done = i
         finally:
             self.position = done

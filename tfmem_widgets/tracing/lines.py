@@ -27,6 +27,7 @@ from .wire import (
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
 _GROUP_EVENTS = 1 << 10  # memory events decoded together, at first
 _MAX_GROUP_EVENTS = 1 << 14
+_JOIN_EVENTS = 1 << 12  # short lines joined into one batch up to this many events (the memory of a long line's)
 _MAX_STAMP = (1 << 64) // 1000 - 1  # a line's timestamp_ns whose picoseconds fit 64 bits
 # Events that are no activity: memory events, and the thread pool's own markers.
 NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
@@ -125,16 +126,17 @@ def read_memory_columns(data: bytes | None, source: str):
                 activity_table=_id_table(dict.fromkeys(activity_names, 1)),
             )
             # Short lines are joined into one batch (a trace has dozens of lines of a few events: one
-            # batch each would cost more than their events); a long one is cut into batches.
+            # batch each would cost more than their events), up to _JOIN_EVENTS events; a longer line
+            # is a batch of its own, cut into batches of _CHUNK_EVENTS.
             first_line = len(lines)
             spans = {}  # line number -> its activities, a batch at a time
             pending, pending_events = [], 0
             for number, line in enumerate(plane.lines, first_line):
                 events = line.events
-                if pending and pending_events + len(events) > _CHUNK_EVENTS:
+                if pending and pending_events + len(events) > _JOIN_EVENTS:
                     _decode_batch(pending, plane_info, intern, parts, spans)
                     pending, pending_events = [], 0
-                if len(events) <= _CHUNK_EVENTS:
+                if len(events) <= _JOIN_EVENTS:
                     pending.append((number, line.timestamp_ns, events))
                     pending_events += len(events)
                     continue

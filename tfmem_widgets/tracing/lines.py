@@ -27,6 +27,8 @@ from .wire import (
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
 _GROUP_EVENTS = 1 << 10  # memory events decoded together, at first
 _MAX_GROUP_EVENTS = 1 << 14
+_JOIN_EVENTS = 1 << 12  # short lines joined into one batch up to this many events (the memory of a long line's)
+_MAX_STAMP = (1 << 64) // 1000 - 1  # a line's timestamp_ns whose picoseconds fit 64 bits
 # Events that are no activity: memory events, and the thread pool's own markers.
 NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")
 
@@ -100,28 +102,51 @@ def read_memory_columns(data: bytes | None, source: str):
     lines = []  # each line's activities, by the number memory events carry
     try:
         for plane in space.planes:
-            kinds = {mid: EVENT_KINDS[m.name] for mid, m in plane.event_metadata.items() if m.name in EVENT_KINDS}
+            # One pass over the event metadata (a plane has hundreds): memory events and activities.
+            kinds, activity_names = {}, {}
+            for mid, m in plane.event_metadata.items():
+                name = m.name
+                if name in EVENT_KINDS:
+                    kinds[mid] = EVENT_KINDS[name]
+                if not name.startswith(NOT_ACTIVITIES):
+                    activity_names[mid] = name
             if not kinds:
                 continue
             stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
             memory_ids = np.array(sorted(kinds), dtype=np.uint64)
-            activity_names = {mid: m.name for mid, m in plane.event_metadata.items()
-                              if not m.name.startswith(NOT_ACTIVITIES)}
+            activity_ids = np.array(sorted(activity_names), dtype=np.uint64)
             plane_info = _PlaneInfo(
                 memory_ids=memory_ids,
                 kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
                 slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
                 stat_names=stat_names,
-                activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+                activity_ids=activity_ids,
                 ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
+                kind_table=_id_table(kinds),
+                activity_table=_id_table(dict.fromkeys(activity_names, 1)),
             )
-            for line in plane.lines:
+            # Short lines are joined into one batch (a trace has dozens of lines of a few events: one
+            # batch each would cost more than their events), up to _JOIN_EVENTS events; a longer line
+            # is a batch of its own, cut into batches of _CHUNK_EVENTS.
+            first_line = len(lines)
+            spans = {}  # line number -> its activities, a batch at a time
+            pending, pending_events = [], 0
+            for number, line in enumerate(plane.lines, first_line):
                 events = line.events
-                spans = []
+                if pending and pending_events + len(events) > _JOIN_EVENTS:
+                    _decode_batch(pending, plane_info, intern, parts, spans)
+                    pending, pending_events = [], 0
+                if len(events) <= _JOIN_EVENTS:
+                    pending.append((number, line.timestamp_ns, events))
+                    pending_events += len(events)
+                    continue
                 for first in range(0, len(events), _CHUNK_EVENTS):
                     batch = events[first:first + _CHUNK_EVENTS]
-                    _decode_batch(batch, line.timestamp_ns, plane_info, intern, parts, len(lines), spans)
-                lines.append(_line_activities(spans, activity_names))
+                    _decode_batch([(number, line.timestamp_ns, batch)], plane_info, intern, parts, spans)
+            if pending:
+                _decode_batch(pending, plane_info, intern, parts, spans)
+            for number in range(first_line, first_line + len(plane.lines)):
+                lines.append(_line_activities(spans.get(number, []), activity_names))
         columns = {
             texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
             for allocator, pieces in ((k, v) for k, v in parts.items())
@@ -138,6 +163,41 @@ class _PlaneInfo(NamedTuple):
     stat_names: dict  # stat metadata id -> name
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
     ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
+    kind_table: np.ndarray | None  # by event metadata id: ALLOC, FREE or 0 (see _id_table)
+    activity_table: np.ndarray | None  # by event metadata id: 1 for an activity, else 0
+
+
+# Metadata ids up to this are looked up in a table; a plane with larger ones (not the profiler's:
+# its ids count up from 1) is looked up with np.isin.
+_MAX_TABLE_ID = 1 << 20
+
+
+def _id_table(value_of: dict) -> np.ndarray | None:
+    """By metadata id, its value in value_of, 0 for the others; one entry more, 0, stands for every
+    id past the last (see _looked_up). None where the ids are too large for a table, or negative."""
+    if max(value_of, default=0) > _MAX_TABLE_ID or min(value_of, default=0) < 0:
+        return None
+    table = np.zeros(max(value_of, default=0) + 2, dtype=np.int8)
+    for mid, value in value_of.items():
+        table[mid] = value
+    return table
+
+
+def _looked_up(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """table's value for each metadata id (uint64): the ids past the table read its last entry, 0."""
+    return table[np.minimum(ids, np.uint64(len(table) - 1)).astype(np.intp)]
+
+
+def _is_memory(info: _PlaneInfo, meta: np.ndarray) -> np.ndarray:
+    if info.kind_table is None:
+        return np.isin(meta, info.memory_ids)
+    return _looked_up(info.kind_table, meta) != 0
+
+
+def _is_activity(info: _PlaneInfo, meta: np.ndarray) -> np.ndarray:
+    if info.activity_table is None:
+        return np.isin(meta, info.activity_ids)
+    return _looked_up(info.activity_table, meta) != 0
 
 
 def _slot_table(slot_of: dict) -> np.ndarray:
@@ -160,48 +220,141 @@ def _line_activities(spans, names):
     return (begin[order], end[order], meta[order]), names
 
 
-def _decode_batch(batch, timestamp_ns, info, intern, parts, line_number, spans) -> None:
-    """Memory events of a batch of a line's events into parts, its activities onto spans."""
+def _decode_batch(pieces, info, intern, parts, spans) -> None:
+    """Memory events of a batch of events into parts, their activities onto spans (by line number).
+    pieces: (line number, the line's timestamp_ns, events) of the lines, or the part of a long line,
+    the batch holds, in order."""
+    # Padding past the end of each piece lets a damaged varint be read without an index error
+    # (and reads the same past a line's end as when the line is a batch of its own).
+    if len(pieces) == 1:
+        batch = [*pieces[0][2], _PADDING]
+    else:
+        batch = []
+        for _, _, events in pieces:
+            batch.extend(events)
+            batch.append(_PADDING)
     lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
-    # Padding past the end lets a damaged varint be read without an index error.
-    buf = np.frombuffer(b"".join([*batch, _PADDING]), dtype=np.uint8)
+    buf = np.frombuffer(b"".join(batch), dtype=np.uint8)
+    del batch
     ends = np.cumsum(lengths)
     starts = ends - lengths
+    # Where each piece's events begin and end among the batch's events (the paddings left out).
+    counts = [len(events) for _, _, events in pieces]
+    bounds = np.cumsum([0] + counts).tolist()
+    if len(pieces) == 1:
+        lengths, starts, ends = lengths[:-1], starts[:-1], ends[:-1]
+    else:
+        is_event = np.ones(len(lengths), dtype=bool)
+        is_event[np.cumsum(counts) + np.arange(len(pieces))] = False
+        lengths, starts, ends = lengths[is_event], starts[is_event], ends[is_event]
     # An event's metadata id is its first field when it is set: memory events are those.
     has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
-    meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
-    chosen = np.nonzero(has_id & np.isin(meta, info.memory_ids))[0]
-
-    # Activities: events with a duration and an activity's metadata id; those without their id
-    # first, or laid out otherwise, read field by field.
+    try:
+        meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
+        is_memory = has_id & _is_memory(info, meta)  # (by the ids read here, as a memory event's are)
+        # Activities: events with a duration and an activity's metadata id; those without their id
+        # first, or laid out otherwise, read field by field.
+        if len(info.activity_ids):
+            odd = odd[~has_id[odd] | _is_activity(info, meta[odd])]
+            if len(odd):
+                meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
+                for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
+                    varint = wire == _WIRE_VARINT
+                    for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
+                                           (_EVENT_DURATION_PS, duration)):
+                        pick = varint & (field == number)
+                        column[odd[alive[pick]]] = value[pick]
+    except ValueError:
+        if len(pieces) == 1:
+            raise
+        # A damaged event: the lines one at a time, so that the error is the first one line by line.
+        for piece in pieces:
+            _decode_batch([piece], info, intern, parts, spans)
+        return
     if len(info.activity_ids):
-        odd = odd[~has_id[odd] | np.isin(meta[odd], info.activity_ids)]
-        if len(odd):
-            meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
-            for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
-                varint = wire == _WIRE_VARINT
-                for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
-                                       (_EVENT_DURATION_PS, duration)):
-                    pick = varint & (field == number)
-                    column[odd[alive[pick]]] = value[pick]
-        keep = np.nonzero((duration > 0) & np.isin(meta, info.activity_ids))[0]
-        if len(keep):
-            begin = int(timestamp_ns) * 1000 + offset[keep].astype(np.int64)
-            spans.append((begin, begin + duration[keep].astype(np.int64), meta[keep].astype(np.int64)))
+        keep = np.nonzero((duration > 0) & _is_activity(info, meta))[0]
+        cuts = np.searchsorted(keep, bounds).tolist()
+        for (line_number, timestamp_ns, _), low, high in zip(pieces, cuts, cuts[1:]):
+            if high > low:
+                mine = keep[low:high]
+                begin = int(timestamp_ns) * 1000 + offset[mine].astype(np.int64)
+                spans.setdefault(line_number, []).append(
+                    (begin, begin + duration[mine].astype(np.int64), meta[mine].astype(np.int64)))
+    chosen = np.nonzero(is_memory)[0]
+    del is_memory
     if not len(chosen):
         return
-    kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    if info.kind_table is None:
+        kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    else:
+        kind = _looked_up(info.kind_table, meta[chosen])
     # Only the memory events' own fields are kept while their stats are decoded.
+    cuts = np.searchsorted(chosen, bounds).tolist()
     starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
     del meta, duration, lengths, has_id, chosen
-    # A dozen arrays per stat live while a group is decoded: small groups keep that memory
-    # small next to the trace itself. Groups grow with the events decoded so far (a sixteenth of
-    # them), so that a long trace is not decoded a thousand events at a time.
-    decoded = sum(len(piece["kind"]) for pieces in parts.values() for piece in pieces)
-    first = 0
-    while first < len(starts):
-        group = slice(first, first + min(max(_GROUP_EVENTS, decoded // 16), _MAX_GROUP_EVENTS))
-        _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns, info,
-                      intern, parts, line_number)
-        decoded += len(starts[group])
-        first = group.stop
+    # A dozen arrays per stat live while a group is decoded: small groups keep that memory small
+    # next to the trace itself. Groups grow with the events decoded so far (a sixteenth of them), so
+    # that a long trace is not decoded a thousand events at a time.
+    decoded = sum(len(piece["kind"]) for pieces_ in parts.values() for piece in pieces_)
+    if len(pieces) > 1 and decoded + len(starts) <= 16 * _GROUP_EVENTS and _decode_across(
+            pieces, cuts, buf, starts, ends, offset, after, kind, info, intern, parts):
+        return
+    for (line_number, timestamp_ns, _), low, high in zip(pieces, cuts, cuts[1:]):
+        decoded = sum(len(piece["kind"]) for pieces_ in parts.values() for piece in pieces_)
+        first = low
+        while first < high:
+            group = slice(first, min(first + min(max(_GROUP_EVENTS, decoded // 16), _MAX_GROUP_EVENTS), high))
+            _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns,
+                          info, intern, parts, line_number)
+            decoded += group.stop - group.start
+            first = group.stop
+
+
+def _decode_across(pieces, cuts, buf, starts, ends, offset, after, kind, info, intern, parts) -> bool:
+    """_decode_batch's groups made of several lines' events, where each line's own groups would all
+    be of _GROUP_EVENTS (fewer than 16 times as many events decoded so far): a line of a few events
+    then costs no group of its own. A group holds whole segments, the groups each line would have
+    been decoded in on its own, up to _GROUP_EVENTS events; their texts are interned segment by
+    segment, in the same order. False (nothing done) where a line's timestamp is no time in
+    nanoseconds from 1970 to 2554 (the lines are then decoded one by one)."""
+    stamps = [timestamp_ns for _, timestamp_ns, _ in pieces]
+    if not all(0 <= t <= _MAX_STAMP for t in stamps):
+        return False
+    segments = []  # (first event, end, piece) of each line's own groups, in order
+    for k, (low, high) in enumerate(zip(cuts, cuts[1:])):
+        segments += [(first, min(first + _GROUP_EVENTS, high), k) for first in range(low, high, _GROUP_EVENTS)]
+    groups, current = [], []
+    for segment in segments:
+        if current and segment[1] - current[0][0] > _GROUP_EVENTS:
+            groups.append(current)
+            current = []
+        current.append(segment)
+    if current:
+        groups.append(current)
+    for held in groups:
+        if len(held) == 1:  # a line's own group, as it would be on its own
+            _decode_one(held[0], pieces, buf, starts, ends, offset, after, kind, info, intern, parts)
+            continue
+        group = slice(held[0][0], held[-1][1])
+        sizes = [end - first for first, end, _ in held]
+        pick = np.repeat(np.arange(len(held)), sizes)  # each event's segment in the group
+        held_pieces = [pieces[k] for _, _, k in held]
+        try:
+            _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group],
+                          np.array([t for _, t, _ in held_pieces], dtype=np.uint64)[pick], info, intern, parts,
+                          np.array([number for number, _, _ in held_pieces], dtype=np.int64)[pick], segment=pick)
+        except ValueError:
+            # A damaged event: the segments one at a time, so that the error is the first line by line.
+            for one in held:
+                _decode_one(one, pieces, buf, starts, ends, offset, after, kind, info, intern, parts)
+            raise
+    return True
+
+
+def _decode_one(segment, pieces, buf, starts, ends, offset, after, kind, info, intern, parts) -> None:
+    """One line's own group (a segment of _decode_across)."""
+    first, end, k = segment
+    group = slice(first, end)
+    line_number, timestamp_ns, _ = pieces[k]
+    _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group], timestamp_ns, info,
+                  intern, parts, line_number)

@@ -47,6 +47,7 @@ class Replay:
         self._free_end: dict[int, int] = {}  # end -> start
         self._free_sizes: dict[int, int] = {}  # size -> count
         self._heap: list[int] = []  # -size, lazily cleaned
+        self._heap_stale = False  # run_to does not keep the heap: largest_free rebuilds it then
         self.in_use: dict[int, tuple[int, int]] = {}  # address -> (size, allocating event)
         self.region_created: dict[int, int] = {}  # region address -> the event that made it
         self.before_trace_bytes = events.in_use_before() if len(events) else 0
@@ -73,6 +74,10 @@ class Replay:
         return size
 
     def largest_free(self) -> int:
+        if self._heap_stale:
+            self._heap = [-size for size in self._free_sizes]
+            heapq.heapify(self._heap)
+            self._heap_stale = False
         heap = self._heap
         while heap and -heap[0] not in self._free_sizes:
             heapq.heappop(heap)
@@ -161,40 +166,62 @@ class Replay:
     def run_to(self, index: int) -> Replay:
         """step() up to event `index`, with the common moves (a chunk taken from the front of a
         free one, a free beside free neighbours in a known region) done here in line: a call of the
-        full rules per event would cost more than the move itself."""
+        full rules per event would cost more than the move itself. The free-chunk bookkeeping
+        (_add_free, _remove_free) is written out here too, for the same reason, without the heap
+        of free sizes: only largest_free reads it, and rebuilds it after a run_to."""
         kinds, addresses, sizes, requesteds = self._columns()
-        free, free_end, in_use = self._free, self._free_end, self.in_use
+        free, free_end, free_sizes, in_use = self._free, self._free_end, self._free_sizes, self.in_use
         region_starts, regions = self._region_starts, self.regions
-        add_free, remove_free, bisect_right = self._add_free, self._remove_free, bisect.bisect_right
-        while self.position < index:
-            i = self.position + 1
-            address, size = addresses[i], sizes[i]
-            if kinds[i] == ALLOC:
-                whole = free.get(address)
-                if whole is None or whole < size:
-                    self._allocate(i, address, size, requesteds[i])
-                else:
-                    remove_free(address)
-                    if whole > size:  # the rest stays free, after the chunk
-                        add_free(address + size, whole - size)
+        remove_free, bisect_right = self._remove_free, bisect.bisect_right
+        done = self.position  # the last event applied
+        if done < index:
+            self._heap_stale = True
+        try:
+            while done < index:
+                i = done + 1
+                address, size = addresses[i], sizes[i]
+                if kinds[i] == ALLOC:
+                    whole = free.get(address)
+                    if whole is None or whole < size:
+                        self.position = done
+                        self._allocate(i, address, size, requesteds[i])
+                        done = i
+                        continue
+                    # The chunk taken from the front of a free one (_remove_free in line).
+                    del free[address], free_end[address + whole]
+                    left = free_sizes[whole] - 1
+                    if left:
+                        free_sizes[whole] = left
+                    else:
+                        del free_sizes[whole]
+                    if whole > size:  # the rest stays free, after the chunk (_add_free in line)
+                        rest = whole - size
+                        free[address + size] = rest
+                        free_end[address + whole] = address + size
+                        free_sizes[rest] = free_sizes.get(rest, 0) + 1
                     in_use[address] = (size, i)
-                self.position = i
-                continue
-            r = bisect_right(region_starts, address) - 1
-            if r < 0 or address >= regions[r].address + regions[r].size or in_use.pop(address, None) is None:
-                self._deallocate(i, address, size)  # an unknown region or chunk: the full rules
-                self.position = i
-                continue
-            bounds = regions[r]
-            start, total, right = address, size, address + size
-            if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
-                total += remove_free(right)
-            left = free_end.get(address)
-            if left is not None and left >= bounds.address:  # and with the one before
-                total += remove_free(left)
-                start = left
-            add_free(start, total)
-            self.position = i
+                    done = i
+                    continue
+                r = bisect_right(region_starts, address) - 1
+                if r < 0 or address >= regions[r].address + regions[r].size or in_use.pop(address, None) is None:
+                    self.position = done
+                    self._deallocate(i, address, size)  # an unknown region or chunk: the full rules
+                    done = i
+                    continue
+                bounds = regions[r]
+                start, total, right = address, size, address + size
+                if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
+                    total += remove_free(right)
+                left = free_end.get(address)
+                if left is not None and left >= bounds.address:  # and with the one before
+                    total += remove_free(left)
+                    start = left
+                free[start] = total  # (_add_free in line)
+                free_end[start + total] = start
+                free_sizes[total] = free_sizes.get(total, 0) + 1
+                done = i
+        finally:
+            self.position = done
         return self
 
     # -- results ---------------------------------------------------------------------------

@@ -132,9 +132,12 @@ def _event_fields(buf, start, end, offset_ps, p):
     alive = np.nonzero((p < end) & ~odd)[0]
     q, last = p[alive], end[alive]  # the next stat's position and the end, of the events still read
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
+    # The two bytes at each position as one number (tag, then size): read together, one gather.
+    pairs = np.ndarray((max(len(buf) - 1, 0),), dtype="<u2", buffer=buf, strides=(1,))
     while len(alive):
-        tag, size = buf[q], buf[q + 1].astype(np.int64)
-        plain = (tag == stat_tag) & (size < 0x80)
+        pair = pairs[q]
+        plain = (pair & 0x80FF) == stat_tag  # the stats tag, and a size of one byte
+        size = (pair >> 8).astype(np.int64)
         if not plain.all():
             odd[alive[~plain]] = True
             alive, q, last, size = alive[plain], q[plain], last[plain], size[plain]
@@ -143,10 +146,10 @@ def _event_fields(buf, start, end, offset_ps, p):
         starts.append(q)
         sizes.append(size)
         q = q + size
-        if (q > last).any():
-            raise ValueError("a stat runs past the end of its event")
         more = q < last
-        if not more.all():
+        if not more.all():  # (a stat that runs past its event's end ends its reading, so is among these)
+            if (q[~more] > last[~more]).any():
+                raise ValueError("a stat runs past the end of its event")
             alive, q, last = alive[more], q[more], last[more]
     redo = np.nonzero(odd)[0]
     if len(redo):
@@ -205,6 +208,21 @@ def _stat_fields(buf, start, end):
     value = word & _OWN_LOW[fit]
     for keep, high, shift in _PACK:
         value = (value & keep) | ((value & high) >> shift)
+    # Varints of 9 or 10 bytes (negative int64s, and numbers from 2**56): eight continued bytes,
+    # then one or two more read apart; the bits past 64 are dropped, as _varints_bytewise does.
+    long = np.nonzero(is_int & (length > 8) & (length <= 10))[0]
+    if len(long):
+        head = word[long]
+        ninth = buf[at[long] + 8]
+        tenth = np.where(length[long] == 10, buf[np.minimum(at[long] + 9, end[long] - 1)], 0)
+        good = ((head & _HIGH_BITS) == _HIGH_BITS) & ((ninth >= 0x80) == (length[long] == 10)) & (tenth < 0x80)
+        head &= _LOW_BITS
+        for keep, high, shift in _PACK:
+            head = (head & keep) | ((head & high) >> shift)
+        head |= (ninth & 0x7F).astype(np.uint64) << np.uint64(56)
+        head |= (tenth & 0x7F).astype(np.uint64) << np.uint64(63)
+        value[long] = head
+        ok[long] = good
     is_double = wire == _WIRE_FIXED64
     ok |= is_double & (length == 8)
     stat_value = np.where(is_int, value, np.where(is_double, word, np.uint64(0)))
@@ -302,8 +320,35 @@ def _leading_fields(buf, starts, ends):
     return (*columns, pos, odd)
 
 
-def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:
+def _interned(buf, ref_ids, strings, stat_texts, info, intern):
+    """The interned text of each text stat: the names of the stat metadata ids ref_ids refer to, and
+    the strings at the stats `strings` (positions in stat_texts). New names are interned first, in
+    the order of their ids, then the strings in order."""
     stat_names = info.stat_names
+    known = info.ref_texts  # the interned name of each stat metadata id met so far, -1 for none yet
+    if (ref_ids < len(known)).all():
+        ref_ids = ref_ids.astype(np.int64)
+        missing = known[ref_ids] < 0
+        if missing.any():
+            for i in np.unique(ref_ids[missing]).tolist():  # interned in the order of their ids
+                known[i] = intern(stat_names.get(i, ""))
+        ref_text = known[ref_ids]
+    else:
+        ref_ids, ref_inverse = np.unique(ref_ids, return_inverse=True)
+        ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
+    string_text = np.array(
+        [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
+         for k in strings.tolist()],
+        dtype=np.int64,
+    )
+    return ref_text, string_text
+
+
+def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number,
+                  segment=None) -> None:
+    """Memory events' columns into parts, by allocator. timestamp_ns and line_number: their line's, or,
+    for events of several lines, each event's (arrays); segment then numbers the groups each line
+    would have been decoded in on its own (their texts are interned in that order)."""
     offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
@@ -330,37 +375,36 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
 
     text_slots = slots >= FIRST_TEXT_SLOT + 1
     ref = text_slots & (stat_field == _STAT_REF)
-    ref_ids = stat_value[ref]
-    known = info.ref_texts  # the interned name of each stat metadata id met so far, -1 for none yet
-    if (ref_ids < len(known)).all():
-        ref_ids = ref_ids.astype(np.int64)
-        missing = known[ref_ids] < 0
-        if missing.any():
-            for i in np.unique(ref_ids[missing]).tolist():  # interned in the order of their ids
-                known[i] = intern(stat_names.get(i, ""))
-        ref_text = known[ref_ids]
-    else:
-        ref_ids, ref_inverse = np.unique(ref_ids, return_inverse=True)
-        ref_text = np.array([intern(stat_names.get(int(i), "")) for i in ref_ids], dtype=np.int64)[ref_inverse]
+    refs = np.nonzero(ref)[0]
     strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
-    string_text = np.array(
-        [intern(bytes(buf[stat_texts[k][0]:stat_texts[k][0] + stat_texts[k][1]]).decode(errors="replace"))
-         for k in strings.tolist()],
-        dtype=np.int64,
-    )
-    for rows, values in ((np.nonzero(ref)[0], ref_text), (strings, string_text)):
+    if segment is None:
+        ref_text, string_text = _interned(buf, stat_value[refs], strings, stat_texts, info, intern)
+    else:
+        # Texts interned segment by segment, in the order each would have met them on its own.
+        ref_text = np.zeros(len(refs), dtype=np.int64)
+        string_text = np.zeros(len(strings), dtype=np.int64)
+        ref_segment, string_segment = segment[owner[refs]], segment[owner[strings]]
+        for part in np.unique(segment).tolist():
+            mine_refs, mine_strings = ref_segment == part, string_segment == part
+            ref_text[mine_refs], string_text[mine_strings] = _interned(
+                buf, stat_value[refs[mine_refs]], strings[mine_strings], stat_texts, info, intern)
+    for rows, values in ((refs, ref_text), (strings, string_text)):
         pick = slots[rows] < ALLOCATOR_SLOT
         row_text[slots[rows[pick]] - (FIRST_TEXT_SLOT + 1), owner[rows[pick]]] = values[pick]
         pick = slots[rows] == ALLOCATOR_SLOT
         allocator[owner[rows[pick]]] = values[pick]
 
-    time_ns = ((np.uint64(timestamp_ns) * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
-    for name_index in [allocator[0]] if len(allocator) and (allocator == allocator[0]).all() else np.unique(allocator):
+    stamp = timestamp_ns if isinstance(timestamp_ns, np.ndarray) else np.uint64(timestamp_ns)
+    time_ns = ((stamp * np.uint64(1000) + offset_ps) // np.uint64(1000)).astype(np.int64)
+    one = len(allocator) and (allocator == allocator[0]).all()
+    for name_index in [allocator[0]] if one else np.unique(allocator):
         if name_index < 0:
             continue  # a memory event without an allocator: nothing to place it in
-        mine = allocator == name_index
+        # All the group's events (one allocator, the usual case): the columns as they are.
+        mine = slice(None) if one else allocator == name_index
         columns = {"time_ns": time_ns[mine], "kind": kind[mine],
-                   "line": np.full(int(mine.sum()), line_number, dtype=np.int64)}
+                   "line": line_number[mine] if isinstance(line_number, np.ndarray) else
+                   np.full(len(time_ns[mine]), line_number, dtype=np.int64)}
         for column, stat in STAT_OF_COLUMN.items():  # each column from its stat's slot (events.py)
             slot = SLOTS[stat]
             if slot == FRAGMENTATION_SLOT:

@@ -164,18 +164,13 @@ def load_memory_dump(path: str | Path) -> AllocatorMap:
     The binary form has no region boundaries: a gap between chunks, or two free chunks side
     by side (the allocator would have merged them within one region), starts a new region.
     """
-    from google.protobuf.message import DecodeError
     from tensorflow.core.protobuf import bfc_memory_map_pb2
+
+    from .wire import parse_message
 
     if not isinstance(path, (str, os.PathLike)):
         raise TraceDataError(f"load_memory_dump takes a file's path, got {type(path).__name__}.")
-    dump = bfc_memory_map_pb2.MemoryDump()
-    try:
-        dump.ParseFromString(Path(path).read_bytes())
-    except OSError as exc:
-        raise TraceDataError(f"cannot read {path}: {exc.strerror or exc}.") from None
-    except DecodeError as exc:
-        raise TraceDataError(f"{path} is not a readable TensorFlow MemoryDump ({exc}).") from None
+    dump = parse_message(bfc_memory_map_pb2.MemoryDump(), path, "TensorFlow MemoryDump")
     if not dump.chunk:
         raise TraceDataError(f"{path} holds no chunks: not a TensorFlow MemoryDump.")
     chunks = sorted(

@@ -22,6 +22,7 @@ from .wire import (
     _decode_group,
     _fields,
     _leading_fields,
+    parse_message,
 )
 
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
@@ -72,19 +73,7 @@ def read_memory_columns(data: bytes | None, source: str):
 
     Each line's events are joined into one buffer once, a batch at a time, and both the memory
     events and the activities are read from it."""
-    from google.protobuf.message import DecodeError
-
-    space = _lean_xspace_class()()
-    try:
-        if data is None:
-            with open(source, "rb") as f:
-                space.ParseFromString(f.read())
-        else:
-            space.ParseFromString(data)
-    except DecodeError as exc:
-        raise TraceDataError(f"{source} is not a readable profiler trace (truncated or corrupt: {exc}).") from None
-    except OSError as exc:
-        raise TraceDataError(f"cannot read {source}: {exc.strerror}.") from None
+    space = parse_message(_lean_xspace_class()(), source, "profiler trace", data)
     if not space.planes:
         raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
     texts = [""]

@@ -9,8 +9,11 @@ events at once, field by field, as numpy arrays. The plain decoder in the tests
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from ..errors import TraceDataError
 from .events import (
     ALLOCATOR_SLOT,
     FIRST_TEXT_SLOT,
@@ -34,6 +37,20 @@ _PACK = tuple((np.uint64(keep), np.uint64(high), np.uint64(shift)) for keep, hig
     (0x00003FFF00003FFF, 0x3FFF00003FFF0000, 2),
     (0x000000000FFFFFFF, 0x0FFFFFFF00000000, 4),
 ))
+
+
+def parse_message(message, source, what: str, data: bytes | None = None):
+    """`message` (a protobuf message) parsed from `data`, or from the file `source` where data is None;
+    a file that cannot be read or parsed is one TraceDataError that names it and `what` it should be."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        message.ParseFromString(Path(source).read_bytes() if data is None else data)
+    except DecodeError as exc:
+        raise TraceDataError(f"{source} is not a readable {what} (truncated or corrupt: {exc}).") from None
+    except OSError as exc:
+        raise TraceDataError(f"cannot read {source}: {exc.strerror or exc}.") from None
+    return message
 
 
 def _words(buf: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,10 +196,13 @@ def run_fresh(
 
 def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None = None, returns: Sequence[str] = (),
                 timeout: float | None = 600, echo: bool = True, path: Sequence[str] = (),
-                remember_oom: bool = True) -> FreshRun:
+                remember_oom: bool = True, start_when: str | None = None,
+                on_start: Callable[[subprocess.Popen], None] | None = None) -> FreshRun:
     """run_fresh for a setup already checked (check_request) and a timeout already read (check_timeout).
     remember_oom: an OOM the process met becomes this process's last_oom() (a batch search's probes
-    leave it alone)."""
+    leave it alone). start_when: a file; the child imports TensorFlow, Keras and IPython, starts
+    nothing of TensorFlow's runtime, and waits until the file exists before its setup and code
+    (fit/warm.py). on_start(process): called once the child is started (who may kill its group)."""
     from ..tf.dump_place import DUMP_ENV, dump_files
 
     # mkdtemp, then try at once: an interrupt between the two cannot leave the folder (a
@@ -207,7 +210,7 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
     work = tempfile.mkdtemp(prefix="tfmem-fresh-")
     try:
         work_dir = Path(work)
-        write_job(work_dir, code, setup, list(returns))
+        write_job(work_dir, code, setup, list(returns), start_when)
         environment = child_environment(env, path)
         # The child's OOM dumps land in this call's folder (gone with it, even when the child is
         # killed before its exit handlers run), unless the user chose a place of their own.
@@ -220,6 +223,8 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
                 start_new_session=True,  # its own process group: a timeout kills what it started too
             )
             try:
+                if on_start is not None:
+                    on_start(proc)
                 output, timed_out = _follow(proc, timeout, echo)
             finally:  # Ctrl-C, an error here, or the end: nothing the child started outlives the call
                 _kill_group(proc)

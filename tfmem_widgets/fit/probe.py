@@ -206,14 +206,26 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
                             timeout: float | None) -> Probe:
     """One probe in a fresh process set up with the (checked) `setup`; the kernel's last_oom() is left
     alone. Raises SetupError when the user's functions cannot be probed or the probe ran too long."""
-    from ..errors import FreshRunError
     from .fresh import run_checked
 
     started = time.perf_counter()
     code = PROBE_CODE.format(path=str(path), batch=batch, steps=steps)
+    return probe_outcome(batch, timeout, started, lambda: run_checked(
+        code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False, remember_oom=False))
+
+
+def ran_past(batch: int, timeout: float) -> SetupError:
+    return SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
+                      "with every process it started; raise probe_timeout or lower high.")
+
+
+def probe_outcome(batch: int, timeout: float | None, started: float, run) -> Probe:
+    """The Probe that run() (a probe's run_checked) leaves, its seconds counted from `started`; a
+    SetupError where the functions could not be probed or the process failed otherwise."""
+    from ..errors import FreshRunError
+
     try:
-        run = run_checked(code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False,
-                          remember_oom=False)
+        done = run()
     except FreshRunError as exc:
         seconds = time.perf_counter() - started
         if exc.how == f"ended with exit code {REFUSED_EXIT}":  # lab mode: its first refusal ended it
@@ -224,11 +236,10 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
             return Probe(batch, None, seconds, exc.oom.verdict, exc.oom.request_bytes, died=exc.how,
                          limit_bytes=exc.oom.limit_bytes, limit_source=exc.oom.limit_source)
         if exc.timed_out:
-            raise SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
-                             "with every process it started; raise probe_timeout or lower high.") from None
+            raise ran_past(batch, timeout) from None
         said = f"; it last wrote: {exc.last_words}" if exc.last_words else "; it wrote nothing"
         raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: its process {exc.how}{said}.") from None
-    value = run.values["probe"]
+    value = done.values["probe"]
     if isinstance(value, ProbeRefused):
         raise SetupError(f"max_batch_size: {value.message}.")
     return replace(value, seconds=time.perf_counter() - started)  # the process's start counted too

@@ -24,18 +24,16 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import SetupError
 from ..text import LinesText
 from ..units import MiB, format_bytes
-from .probe import Probe, first_line, probe_in_fresh_process
+from .probe import Probe, first_line
 from .progress import progress_for
+from .warm import WarmProbes
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
@@ -81,22 +79,19 @@ class BatchSearch(LinesText):
         """While the functions' file exists: a function that runs one probe in a fresh process set
         up like the others and adds it to `probes`."""
         functions, setup, env, timeout = self._run
-        work = tempfile.mkdtemp(prefix="tfmem-batch-")
+        warm = WarmProbes(functions, self.steps, setup, env, timeout)  # the first imports while plans are made
         try:
-            path = Path(work) / "functions.pickle"
-            path.write_bytes(functions)
-
             def probe_one(batch: int) -> Probe:
-                probe = probe_in_fresh_process(path, batch, self.steps, setup, env, timeout)
+                probe = warm.probe(batch)
                 if probe.limit_bytes is not None and self.limit_bytes is None:
                     self.limit_bytes, self.limit_source = probe.limit_bytes, probe.limit_source
                 self.probes.append(probe)
                 return probe
 
-            probe_one.path = path  # the functions, for a plan search in a process of the same setup
+            probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
             yield probe_one
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            warm.close()  # every process it started ended, the functions' file removed
 
     # -- what the probes show ------------------------------------------------------------
     @property
@@ -403,7 +398,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                    margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
                    max_probes: int = 16, progress: str | bool | None = None,
                    env: Mapping[str, str] | None = None, method: str = "auto") -> BatchSearch:
-    """The largest batch `build_model()`'s model trains with, each probe in a fresh process.
+    """The largest batch `build_model()`'s model trains with, each probe in a fresh process (started
+    while the one before it runs: its imports done ahead, its setup and TensorFlow's runtime begun
+    only when its batch is known, fit/warm.py).
 
     build_model: returns a compiled Keras model (XLA as you compile it).
     make_batch:  make_batch(n) returns one batch (x, y) of exactly n examples.

@@ -12,9 +12,11 @@ from typing import Any
 from ..errors import FreshRunError
 
 
-def write_job(work_dir: Path, code: str, setup: dict | None, returns: list[str]) -> None:
+def write_job(work_dir: Path, code: str, setup: dict | None, returns: list[str], start_when: str | None = None) -> None:
+    """start_when: a file whose appearance starts the job (the child imports what it needs, then waits)."""
     # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
-    (work_dir / "job.pickle").write_bytes(pickle.dumps({"code": code, "setup": setup, "returns": list(returns)}))
+    (work_dir / "job.pickle").write_bytes(pickle.dumps({"code": code, "setup": setup, "returns": list(returns),
+                                                        "start_when": start_when}))
 
 
 def read_job(work_dir: Path) -> dict:

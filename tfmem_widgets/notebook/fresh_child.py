@@ -22,6 +22,8 @@ def main(work: str) -> int:
     if prefix and Path(prefix).parent == work_dir:  # the call's own folder: its dumps go with it
         dump_place.claim(prefix, dump_place.FRESH_CALL)
 
+    if job.get("start_when") is not None and not wait_warm(Path(job["start_when"]), job["setup"]):
+        return 3  # the process that started this one is gone: nothing to do
     if job["setup"] is not None:
         from ..tf.device_setup import setup
 
@@ -66,3 +68,30 @@ def main(work: str) -> int:
     write_result(work_dir, values=job["returns"])
     sys.stdout.flush()
     return 0
+
+
+def wait_warm(start: Path, setup: dict | None, poll: float = 0.01) -> bool:
+    """A process started ahead of its work (fit/warm.py): import TensorFlow, Keras and IPython now,
+    start nothing of TensorFlow's runtime (no device is made, no memory taken, so a GPU's default
+    limit is read when the work starts, not now), then wait until `start` exists. Lab mode's
+    oneDNN switch is made first, as setup() makes it before TensorFlow's import. False: the process
+    that started this one is gone."""
+    import os
+    import time
+
+    if setup is not None:
+        from ..tf.device_setup import before_import
+
+        before_import(setup)
+    import keras  # noqa: F401  (TensorFlow with it)
+    from IPython.core import interactiveshell  # noqa: F401
+
+    from ..fit import probe  # noqa: F401
+    from ..oom import explain  # noqa: F401
+
+    parent = os.getppid()
+    while not start.exists():
+        if os.getppid() != parent:
+            return False
+        time.sleep(poll)
+    return True

@@ -208,6 +208,12 @@ ONEDNN_OFF_NOTE = ("oneDNN's kernels off (TF_ENABLE_ONEDNN_OPTS=0, set before Te
                    "OOM inside a oneDNN fused kernel crashes the process, Eigen's kernels raise it")
 
 
+def before_import(options: dict) -> None:
+    """What setup(**options) does before TensorFlow's import, for a process that imports it before
+    its setup (a warm probe, fit/warm.py): lab mode's oneDNN switch."""
+    _onednn_off_for_lab(SetupRequest(**options))
+
+
 def _onednn_off_for_lab(request: SetupRequest) -> bool:
     """Lab mode asked before TensorFlow is imported, oneDNN not chosen by the user: turn its
     kernels off while it still can be (TensorFlow reads the switch at import)."""

@@ -1,0 +1,133 @@
+"""A batch search's probe processes, started before their batch is known (fit/warm.py).
+
+Real processes in lab mode: a waiting process has TensorFlow imported and nothing of its runtime
+started (its lab setup still applies after the wait), a warm probe measures what a cold one does,
+and no process outlives the search: closed, timed out, interrupted, or its parent gone.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import cloudpickle
+import psutil
+import pytest
+
+from tfmem_widgets.errors import SetupError
+from tfmem_widgets.fit.probe import probe_in_fresh_process
+from tfmem_widgets.fit.warm import WarmProbes
+
+SETUP = {"lab_mb": 64}
+
+
+def _functions(hang: bool = False):
+    def build_model():
+        import keras
+
+        if hang:
+            import time as clock
+
+            clock.sleep(600)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+        model.compile("adam", "mse", jit_compile=True)
+        return model
+
+    def make_batch(n):
+        import numpy as np
+
+        return np.ones((n, 64), "float32"), np.ones((n, 1), "float32")
+
+    return cloudpickle.dumps((build_model, make_batch))
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+
+
+def _has_imported_tensorflow(process: psutil.Process) -> bool:
+    try:
+        return any("libtensorflow_framework" in m.path for m in process.memory_maps())
+    except psutil.Error:
+        return False
+
+
+def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_does():
+    warm = WarmProbes(_functions(), 2, SETUP, {}, 120)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(_has_imported_tensorflow(p) for p in _children()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        waiting = _children()
+        assert waiting and any(_has_imported_tensorflow(p) for p in waiting), "TensorFlow imported while it waits"
+        # The lab setup is applied after the wait: it is refused once TensorFlow's runtime has started, so
+        # a probe under the 64 MB lab limit shows the waiting process started nothing of it.
+        hot = warm.probe(512)
+        cold = probe_in_fresh_process(warm.path, 512, 2, SETUP, {}, 120)
+    finally:
+        warm.close()
+    assert hot.fits and cold.fits
+    assert hot.limit_bytes == cold.limit_bytes == 64 << 20
+    assert hot.limit_source == cold.limit_source and "lab" in hot.limit_source
+    assert hot.peak_bytes == cold.peak_bytes  # the same step, the same allocator, the same bytes
+    assert not _children() and not warm.path.exists()
+
+
+def test_closing_a_search_ends_its_waiting_process_and_a_probe_past_its_timeout_ends_with_it():
+    warm = WarmProbes(_functions(), 2, SETUP, {}, 60)
+    assert _children()
+    warm.close()
+    assert not _children() and not warm.path.exists()
+
+    warm = WarmProbes(_functions(hang=True), 2, SETUP, {}, 15)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SetupError) as caught:
+            warm.probe(8)
+    finally:
+        warm.close()
+    assert "the probe at batch 8 ran past 15 s and was stopped" in str(caught.value)
+    assert "\n" not in str(caught.value) and time.monotonic() - started < 60
+    assert not _children()
+
+
+def test_ctrl_c_during_a_probe_ends_the_probe_and_the_next_waiting_process():
+    warm = WarmProbes(_functions(hang=True), 2, SETUP, {}, 300)
+    timer = threading.Timer(8, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            warm.probe(8)
+        assert len(_children()) <= 1  # the probe in flight is gone; the next one waits until closed
+    finally:
+        timer.cancel()
+        warm.close()
+    assert not _children()
+
+
+def test_a_waiting_process_ends_by_itself_when_the_process_that_started_it_is_gone(tmp_path):
+    # A parent that starts a waiting probe process and dies without closing it (a killed kernel).
+    pid_file = tmp_path / "pid"
+    parent = textwrap.dedent(f"""
+        import os, time
+        from pathlib import Path
+        from tfmem_widgets.fit.warm import _Waiting
+        path = Path({str(tmp_path)!r}) / "functions.pickle"
+        path.write_bytes(b"")
+        waiting = _Waiting(path, 2, {SETUP!r}, {{}})
+        while waiting.process is None:
+            time.sleep(0.05)
+        Path({str(pid_file)!r}).write_text(str(waiting.process.pid))
+        time.sleep(5)  # the child imports TensorFlow and waits
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", parent], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"

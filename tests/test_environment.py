@@ -189,3 +189,30 @@ def test_a_bare_setup_keeps_an_exported_lab_switch_even_when_its_default_exceeds
         plan_setup(SetupRequest(lab_mb=LAB_DEFAULT_LIMIT_MB), cpu_state(env("1", "64")))
     plan = plan_setup(SetupRequest(), cpu_state(env("1", "-1")))
     assert len(plan.notes) == len(set(plan.notes)), "each note once"
+
+
+def test_lab_modes_printed_code_turns_onednn_off_first_as_the_setup_did():
+    # Copied as printed, before TensorFlow's import, the code must do all the setup did: lab mode's
+    # oneDNN switch too (an OOM inside a oneDNN fused kernel kills the process with nothing said).
+    out = run_fresh("""
+        import json, os, sys
+        import tfmem_widgets
+        result = tfmem_widgets.setup(lab_mb=64)
+        print(json.dumps({"code": result.code, "text": repr(result), "env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                          "imported": "tensorflow" in sys.modules}))
+    """)
+    lines = out["code"].splitlines()
+    assert out["env"] == "0"
+    assert lines[0] == "import os" and lines[1].startswith('os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"')
+    assert [line.split("=")[0] for line in lines[2:4]] == ['os.environ["TF_CPU_ALLOCATOR_USE_BFC"] ',
+                                                          'os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] ']
+    assert "3 change(s)" in out["text"] and "before TensorFlow is imported" in out["text"]
+    # Imported first, TensorFlow has read the switch already: nothing is said to switch it in the code.
+    out = run_fresh("""
+        import json
+        import tensorflow
+        import tfmem_widgets
+        result = tfmem_widgets.setup(lab_mb=64)
+        print(json.dumps({"code": result.code}))
+    """, env={"TF_ENABLE_ONEDNN_OPTS": "1"})
+    assert "TF_ENABLE_ONEDNN_OPTS" not in out["code"]

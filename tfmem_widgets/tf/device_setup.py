@@ -191,8 +191,10 @@ def setup(
             os.environ.pop(ONEDNN_ENV, None)
             _forget_onednn_switch()
         raise
-    if onednn_off:
-        plan = replace(plan, notes=(*plan.notes, ONEDNN_OFF_NOTE))
+    if onednn_off:  # a change too, and the first line of its code (before TensorFlow is imported)
+        switch = Step("env", ONEDNN_ENV, "0", f'os.environ["{ONEDNN_ENV}"] = "0"  # lab mode: oneDNN\'s kernels '
+                      "off; before TensorFlow is imported")
+        plan = replace(plan, steps=(switch, *plan.steps), notes=(*plan.notes, ONEDNN_OFF_NOTE))
     elif request.lab_mb is not None and "tensorflow" in sys.modules and onednn_enabled():
         plan = replace(plan, notes=(*plan.notes, ONEDNN_ON_NOTE))
     return SetupResult(plan)

@@ -81,7 +81,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 hi = aim
             if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit, high)
+            aim = _next_aim(plans, lo, hi, limit, high, need=lambda planned: planned.least_limit_bytes(held(planned)))
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
                        limit, first.limit_source if limit_bytes is None else "given", notes)
@@ -134,7 +134,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         else:
             if hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit_bytes, hi)
+            aim = _next_aim(plans, lo, hi, limit_bytes, hi, need=lambda p: p.least_limit_bytes(held(p), regions))
         if fits(aim):
             lo = aim
         else:
@@ -143,15 +143,18 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
                       above.jit_compile, limit_bytes, "given", notes)
 
 
-def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, high: int) -> int:
+def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, high: int,
+              need=lambda planned: planned.peak_bytes) -> int:
     """Where the line through the plans nearest the limit meets it, kept inside (lo, hi); the middle
-    when the line lands on an end (a step that fits by its bytes can still miss room in a growing
-    pool, so the line alone may never close in)."""
+    when the line lands on an end. need(plan): the bytes the line runs through, the plan's peak, or
+    the least limit under which it fits (StepPlan.least_limit_bytes: where a pool's regions or the
+    no-split rule decide, a step within the limit by its bytes can still not fit, and a line through
+    the peaks aims above the edge again and again)."""
     known = [p for p in plans.values() if p.batch_size in (lo, hi)] if hi is not None else \
         sorted(plans.values(), key=lambda p: p.batch_size)[-2:]
     guess = None
     if len(known) == 2 and known[1].batch_size != known[0].batch_size:
-        (b0, y0), (b1, y1) = [(p.batch_size, p.peak_bytes) for p in known]
+        (b0, y0), (b1, y1) = [(p.batch_size, need(p)) for p in known]
         slope = (y1 - y0) / (b1 - b0)
         if slope > 0:
             guess = int(b0 + (limit - y0) / slope)

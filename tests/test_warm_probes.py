@@ -24,10 +24,15 @@ from tfmem_widgets.fit.warm import WarmProbes
 SETUP = {"lab_mb": 64}
 
 
-def _functions(hang: bool = False):
+def _functions(hang: bool = False, seen: str | None = None):
     def build_model():
+        import os
+
         import keras
 
+        if seen:  # what the probe's process had when the model was built: lab mode's oneDNN switch
+            with open(seen, "a") as out:
+                out.write(f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')}\n")
         if hang:
             import time as clock
 
@@ -55,8 +60,9 @@ def _has_imported_tensorflow(process: psutil.Process) -> bool:
         return False
 
 
-def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_does():
-    warm = WarmProbes(_functions(), 2, SETUP, {}, 120)
+def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_does(tmp_path):
+    seen = tmp_path / "seen"
+    warm = WarmProbes(_functions(seen=str(seen)), 2, SETUP, {}, 120)
     try:
         deadline = time.monotonic() + 60
         while not any(_has_imported_tensorflow(p) for p in _children()) and time.monotonic() < deadline:
@@ -72,14 +78,23 @@ def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_do
     assert hot.fits and cold.fits
     assert hot.limit_bytes == cold.limit_bytes == 64 << 20
     assert hot.limit_source == cold.limit_source and "lab" in hot.limit_source
-    assert hot.peak_bytes == cold.peak_bytes  # the same step, the same allocator, the same bytes
+    # The same step in the same allocator: its peak, up to the input pipeline's 128 KiB buffer, which
+    # meets the step's peak in some runs and not in others, warm or cold (measured here: 935,168 B or
+    # 1,066,240 B in four of each).
+    assert abs(hot.peak_bytes - cold.peak_bytes) <= 128 << 10, (hot.peak_bytes, cold.peak_bytes)
+    assert seen.read_text().split() == ["0", "0"]  # oneDNN off in both, as the lab setup makes it
     assert not _children() and not warm.path.exists()
 
 
 def test_closing_a_search_ends_its_waiting_process_and_a_probe_past_its_timeout_ends_with_it():
     warm = WarmProbes(_functions(), 2, SETUP, {}, 60)
-    assert _children()
-    warm.close()
+    try:
+        deadline = time.monotonic() + 30  # its process is started by a thread: soon, not at once
+        while not _children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _children()
+    finally:
+        warm.close()
     assert not _children() and not warm.path.exists()
 
     warm = WarmProbes(_functions(hang=True), 2, SETUP, {}, 15)
@@ -101,7 +116,8 @@ def test_ctrl_c_during_a_probe_ends_the_probe_and_the_next_waiting_process():
     try:
         with pytest.raises(KeyboardInterrupt):
             warm.probe(8)
-        assert len(_children()) <= 1  # the probe in flight is gone; the next one waits until closed
+        left = _children()
+        assert len(left) <= 1, [(c.pid, c.status()) for c in left]  # the probe in flight is gone; the next one waits
     finally:
         timer.cancel()
         warm.close()

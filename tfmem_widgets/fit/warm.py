@@ -85,6 +85,10 @@ class _Waiting:
         self.closed.set()  # set before the process is read; _started reads them the other way round
         if self.process is not None:
             _kill_group(self.process)
+            try:  # gone before this returns: a join that Ctrl-C broke off may not wait for the thread
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
         self.thread.join(10)
 
 

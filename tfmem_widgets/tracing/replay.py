@@ -43,11 +43,13 @@ class Replay:
         self.position = -1  # index of the last event applied
         self.regions: list[Region] = []
         self._region_starts: list[int] = []
+        self._region_ends: list[int] = []  # each region's end, by the same index
         self._free: dict[int, int] = {}  # start -> size
         self._free_end: dict[int, int] = {}  # end -> start
-        self._free_sizes: dict[int, int] = {}  # size -> count
-        self._heap: list[int] = []  # -size, lazily cleaned
-        self._heap_stale = False  # run_to does not keep the heap: largest_free rebuilds it then
+        # size -> count, and a heap of -size lazily cleaned: only largest_free reads them. None while
+        # run_to has moved chunks without them; largest_free rebuilds both from the free chunks then.
+        self._free_sizes: dict[int, int] | None = {}
+        self._heap: list[int] = []
         self.in_use: dict[int, tuple[int, int]] = {}  # address -> (size, allocating event)
         self.region_created: dict[int, int] = {}  # region address -> the event that made it
         self.before_trace_bytes = events.in_use_before() if len(events) else 0
@@ -60,24 +62,31 @@ class Replay:
     def _add_free(self, start: int, size: int) -> None:
         self._free[start] = size
         self._free_end[start + size] = start
-        self._free_sizes[size] = self._free_sizes.get(size, 0) + 1
-        heapq.heappush(self._heap, -size)
+        sizes = self._free_sizes
+        if sizes is not None:
+            sizes[size] = sizes.get(size, 0) + 1
+            heapq.heappush(self._heap, -size)
 
     def _remove_free(self, start: int) -> int:
         size = self._free.pop(start)
         del self._free_end[start + size]
-        left = self._free_sizes[size] - 1
-        if left:
-            self._free_sizes[size] = left
-        else:
-            del self._free_sizes[size]
+        sizes = self._free_sizes
+        if sizes is not None:
+            left = sizes[size] - 1
+            if left:
+                sizes[size] = left
+            else:
+                del sizes[size]
         return size
 
     def largest_free(self) -> int:
-        if self._heap_stale:
-            self._heap = [-size for size in self._free_sizes]
+        if self._free_sizes is None:
+            sizes: dict[int, int] = {}
+            for size in self._free.values():
+                sizes[size] = sizes.get(size, 0) + 1
+            self._free_sizes = sizes
+            self._heap = [-size for size in sizes]
             heapq.heapify(self._heap)
-            self._heap_stale = False
         heap = self._heap
         while heap and -heap[0] not in self._free_sizes:
             heapq.heappop(heap)
@@ -107,6 +116,7 @@ class Replay:
         self.region_created[address] = self.position + 1
         i = bisect.bisect_right(self._region_starts, address)
         self._region_starts.insert(i, address)
+        self._region_ends.insert(i, address + size)
         self.regions.insert(i, region)
         self.pool_bytes += size
         return size
@@ -167,15 +177,15 @@ class Replay:
         """step() up to event `index`, with the common moves (a chunk taken from the front of a
         free one, a free beside free neighbours in a known region) done here in line: a call of the
         full rules per event would cost more than the move itself. The free-chunk bookkeeping
-        (_add_free, _remove_free) is written out here too, for the same reason, without the heap
-        of free sizes: only largest_free reads it, and rebuilds it after a run_to."""
+        (_add_free, _remove_free) is written out here too, for the same reason, without the count
+        and heap of free sizes: only largest_free reads them, and rebuilds them after a run_to."""
         kinds, addresses, sizes, requesteds = self._columns()
-        free, free_end, free_sizes, in_use = self._free, self._free_end, self._free_sizes, self.in_use
-        region_starts, regions = self._region_starts, self.regions
-        remove_free, bisect_right = self._remove_free, bisect.bisect_right
+        free, free_end, in_use = self._free, self._free_end, self.in_use
+        region_starts, region_ends = self._region_starts, self._region_ends
+        bisect_right = bisect.bisect_right
         done = self.position  # the last event applied
         if done < index:
-            self._heap_stale = True
+            self._free_sizes = None
         try:
             while done < index:
                 i = done + 1
@@ -189,36 +199,31 @@ class Replay:
                         continue
                     # The chunk taken from the front of a free one (_remove_free in line).
                     del free[address], free_end[address + whole]
-                    left = free_sizes[whole] - 1
-                    if left:
-                        free_sizes[whole] = left
-                    else:
-                        del free_sizes[whole]
                     if whole > size:  # the rest stays free, after the chunk (_add_free in line)
-                        rest = whole - size
-                        free[address + size] = rest
+                        free[address + size] = whole - size
                         free_end[address + whole] = address + size
-                        free_sizes[rest] = free_sizes.get(rest, 0) + 1
                     in_use[address] = (size, i)
                     done = i
                     continue
                 r = bisect_right(region_starts, address) - 1
-                if r < 0 or address >= regions[r].address + regions[r].size or in_use.pop(address, None) is None:
+                if r < 0 or address >= region_ends[r] or in_use.pop(address, None) is None:
                     self.position = done
                     self._deallocate(i, address, size)  # an unknown region or chunk: the full rules
                     done = i
                     continue
-                bounds = regions[r]
                 start, total, right = address, size, address + size
-                if right in free and right < bounds.address + bounds.size:  # merged with the free chunk after
-                    total += remove_free(right)
+                if right < region_ends[r]:  # merged with the free chunk after (_remove_free in line)
+                    after = free.pop(right, None)
+                    if after is not None:
+                        del free_end[right + after]
+                        total += after
                 left = free_end.get(address)
-                if left is not None and left >= bounds.address:  # and with the one before
-                    total += remove_free(left)
+                if left is not None and left >= region_starts[r]:  # and with the one before
+                    total += free.pop(left)
+                    del free_end[address]
                     start = left
                 free[start] = total  # (_add_free in line)
                 free_end[start + total] = start
-                free_sizes[total] = free_sizes.get(total, 0) + 1
                 done = i
         finally:
             self.position = done

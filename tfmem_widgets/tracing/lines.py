@@ -26,9 +26,9 @@ from .wire import (
 )
 
 _CHUNK_EVENTS = 1 << 16  # events split out of the trace per batch: bounds the extra memory
-_GROUP_EVENTS = 1 << 10  # memory events decoded together, at first
+_GROUP_EVENTS = 1 << 12  # memory events decoded together, at first
 _MAX_GROUP_EVENTS = 1 << 14
-_JOIN_EVENTS = 1 << 12  # short lines joined into one batch up to this many events (the memory of a long line's)
+_JOIN_EVENTS = 1 << 14  # short lines joined into one batch up to this many events (the memory of a long line's)
 _MAX_STAMP = (1 << 64) // 1000 - 1  # a line's timestamp_ns whose picoseconds fit 64 bits
 # Events that are no activity: memory events, and the thread pool's own markers.
 NOT_ACTIVITIES = ("MemoryAllocation", "MemoryDeallocation", "ThreadpoolListener")

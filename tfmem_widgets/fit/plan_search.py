@@ -69,6 +69,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
         planned = at(batch)
         return planned is not None and planned.fits(limit, held(planned))
 
+    needs = _least_limits(held)
     lo, hi = (low, None) if fits(low) else (None, low)
     if lo is not None and high > low:
         aim = min(high, max(low + 1, 2 * low, 32))
@@ -81,7 +82,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 hi = aim
             if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit, high, need=lambda planned: planned.least_limit_bytes(held(planned)))
+            aim = _next_aim(plans, lo, hi, limit, high, need=needs)
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
                        limit, first.limit_source if limit_bytes is None else "given", notes)
@@ -115,6 +116,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
                 return False
         return plans[batch].fits(limit_bytes, held(plans[batch]), regions)
 
+    needs = _least_limits(held, regions)
     lo, hi = None, above.batch_size
     if above.fits(limit_bytes, held(above), regions):
         lo, hi = above.batch_size, None
@@ -134,13 +136,26 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         else:
             if hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit_bytes, hi, need=lambda p: p.least_limit_bytes(held(p), regions))
+            aim = _next_aim(plans, lo, hi, limit_bytes, hi, need=needs)
         if fits(aim):
             lo = aim
         else:
             hi = aim
     return PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), time.perf_counter() - started,
                       above.jit_compile, limit_bytes, "given", notes)
+
+
+def _least_limits(held, regions: bool | None = None):
+    """need(plan) for _next_aim: each plan's least limit (StepPlan.least_limit_bytes), worked out once
+    per plan (a search asks for the two nearest the edge at every aim)."""
+    known: dict[int, int] = {}
+
+    def need(planned: StepPlan) -> int:
+        if planned.batch_size not in known:
+            known[planned.batch_size] = planned.least_limit_bytes(held(planned), regions)
+        return known[planned.batch_size]
+
+    return need
 
 
 def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, high: int,

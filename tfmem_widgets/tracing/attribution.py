@@ -125,6 +125,25 @@ def _last_running(begin, end, times) -> np.ndarray:
     return np.where((k >= 0) & (end[np.maximum(k, 0)] >= times), k, -1)
 
 
+def _function_tables(lines) -> dict:
+    """For each plane's names (the dict its lines share, by id): by metadata id, whether the activity
+    is a tf.function, and {id: the function's name}; each name of an id the lines hold read once."""
+    planes: dict[int, tuple[dict, list]] = {}
+    for (_, _, meta), names in lines:
+        planes.setdefault(id(names), (names, []))[1].append(meta)
+    tables = {}
+    for key, (names, metas) in planes.items():
+        ids = _ids(np.concatenate(metas).astype(np.int64))
+        is_function, functions = np.zeros(max(ids, default=-1) + 1, dtype=bool), {}
+        for mid in ids:
+            name = names[mid]
+            if "__inference_" in name and (match := FUNCTION.search(name)):
+                is_function[mid] = True
+                functions[mid] = match.group(1)
+        tables[key] = is_function, functions
+    return tables
+
+
 def name_unnamed_allocations(columns, lines, intern) -> None:
     """Give each allocation without an op the name of the activity that made it (in place): the
     activities covering it on its own thread (innermost last), an XLA program among them, and the
@@ -140,16 +159,25 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
             cols.pop("line", None)
         return
     parsed = lines  # each line's activities, as lines.read_memory_columns read them
+    tables = _function_tables(lines)
+    marks_xla: dict[int, dict[int, bool]] = {}  # per plane's names: metadata id -> an XLA program's, once read
     # The tf.functions of every thread.
     f_begin, f_end, f_name = [], [], []
     for (begin, end, meta), names in lines:
-        for mid in _ids(meta):
-            match = FUNCTION.search(names[mid])
-            if match:
-                pick = meta == mid
-                f_begin.append(begin[pick])
-                f_end.append(end[pick])
-                f_name.append(np.full(int(pick.sum()), intern(match.group(1)), dtype=np.int64))
+        is_function, functions = tables[id(names)]
+        hit = is_function[meta]
+        if not hit.any():
+            continue
+        for mid in _ids(meta[hit]):
+            pick = meta == mid
+            f_begin.append(begin[pick])
+            f_end.append(end[pick])
+            f_name.append(np.full(int(pick.sum()), intern(functions[mid]), dtype=np.int64))
+    function_text = {}  # each plane's table of its function names' texts (all interned above)
+    for key, (is_function, functions) in tables.items():
+        function_text[key] = np.full(len(is_function), -1, dtype=np.int64)
+        for mid, function in functions.items():
+            function_text[key][mid] = intern(function)
     if f_begin:
         fb, fe, fn = np.concatenate(f_begin), np.concatenate(f_end), np.concatenate(f_name)
         order = np.lexsort((-fe, fb))
@@ -180,14 +208,14 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                     labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
                 continue
             # Per metadata id, looked up for all activities at once.
+            known = marks_xla.setdefault(id(names), {})
             ids = _ids(meta)
-            size = max(ids, default=-1) + 1
-            xla_of, fn_of = np.zeros(size, dtype=bool), np.full(size, -1, dtype=np.int64)
+            xla_of = np.zeros(max(ids, default=-1) + 1, dtype=bool)
             for mid in ids:
-                xla_of[mid] = bool(_XLA_MARKER.search(names[mid]))
-                if m := FUNCTION.search(names[mid]):
-                    fn_of[mid] = intern(m.group(1))
-            xla_flag, fn_id = xla_of[meta], fn_of[meta]
+                if mid not in known:
+                    known[mid] = bool(_XLA_MARKER.search(names[mid]))
+                xla_of[mid] = known[mid]
+            xla_flag, fn_id = xla_of[meta], function_text[id(names)][meta]
             at = _covering(begin, end, parent, times[mine])
             innermost = np.full(len(mine), -1, dtype=np.int64)
             innermost[at >= 0] = meta[at[at >= 0]]

@@ -367,6 +367,16 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
     for events of several lines, each event's (arrays); segment then numbers the groups each line
     would have been decoded in on its own (their texts are interned in that order)."""
     offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
+    # The stats no column takes (a memory event's id, bytes_reserved) are left undecoded: where a
+    # stat's id is its first byte after the tag, as the profiler writes it, it is known here.
+    table = info.slot_table
+    first = buf[s_start]
+    sid = buf[s_start + 1]
+    unused = (first == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)) & (sid < min(len(table), 0x80)) & (s_end - s_start >= 2)
+    unused[unused] = table[sid[unused]] < 0
+    if unused.any():
+        keep = ~unused
+        owner, s_start, s_end = owner[keep], s_start[keep], s_end[keep]
     stat_id, stat_field, stat_value, stat_texts = _stat_fields(buf, s_start, s_end)
     del s_start, s_end
 

@@ -6,8 +6,8 @@
    memory of reading its xplane.pb and rebuilding the allocator is set against the file's size.
 2. Reading and rebuilding the pool at the end is timed, side by side with XProf's own
    memory-profile conversion of the same xplane.pb (package tensorboard-plugin-profile),
-   alternating, in one process (medians of three each, and their ratio), for three traces: the
-   Keras fit above; an eager loop of 200,000 tf.fills (about 800,000 allocator events, each
+   alternating, in one process (medians of three each, 41 for the small Keras trace, and their
+   ratio), for three traces: the Keras fit above; an eager loop of 200,000 tf.fills (about 800,000 allocator events, each
    allocation named by the op activity around it); a million allocator events of a tf.function
    loop of 500,000 steps, each making and dropping one tensor, on TensorFlow's real BFC allocator.
 3. The memory map of the first 100,000 chunks of that trace is drawn (Agg) and timed.
@@ -126,7 +126,7 @@ def record_eager(workdir: Path, steps: int) -> dict:
     """)
 
 
-def time_million(path: str) -> dict:
+def time_million(path: str, rounds: int = 3) -> dict:
     return run(f"""
         import json, statistics, time
         import tensorflow
@@ -134,7 +134,7 @@ def time_million(path: str) -> dict:
         from tfmem_widgets.tracing.xspace import read_xplane_file
         from xprof.convert import raw_to_tool_data
         ours, xprof = [], []
-        for _ in range(3):
+        for _ in range({rounds}):
             start = time.perf_counter()
             events = read_xplane_file({path!r})["bfc_cpu_allocator_for_gpu"]
             Replay(events, fresh=True).run_to(len(events) - 1).snapshot()
@@ -201,9 +201,9 @@ def measure_all(workdir: Path, steps: int, reading_only: bool = False) -> None:
               f"= {memory['extra_bytes'] / keras['bytes']:.2f} x the file (the reader's first use in a process: "
               f"{memory['first_use_bytes'] / mb:.1f} MiB once)", flush=True)
 
-    timing = time_million(keras["path"])
-    print(f"Keras fit, 10 steps: read + rebuild {timing['ours']:.3f} s; XProf memory_profile conversion "
-          f"{timing['xprof']:.3f} s; ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)",
+    timing = time_million(keras["path"], rounds=41)  # milliseconds each: more rounds, for a steady median
+    print(f"Keras fit, 10 steps: read + rebuild {timing['ours'] * 1000:.2f} ms; XProf memory_profile conversion "
+          f"{timing['xprof'] * 1000:.2f} ms; ratio {timing['ours'] / timing['xprof']:.2f} (medians of 41, alternating)",
           flush=True)
 
     eager = record_eager(workdir, steps * 2 // 5)

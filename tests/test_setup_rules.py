@@ -252,3 +252,18 @@ def test_every_setup_option_is_one_keyword_of_setup_and_one_flag_of_the_magic():
     for option in SETUP_OPTIONS:
         text = option.as_flag(getattr(request, option.name))
         assert text.split()[0] in (option.flag, option.off_flag), text
+
+
+@pytest.mark.parametrize("flags, level", [
+    (None, None), ("", None), ("--xla_gpu_autotune_level=0", "0"),
+    ("--xla_dump_to=/tmp/x --xla_gpu_autotune_level=4", "4"),
+    ("--xla_gpu_autotune_level=0 --xla_gpu_autotune_level=2", "2"),  # the last one given, as XLA reads them
+])
+def test_the_autotuners_level_is_read_from_xla_flags_as_xla_reads_it(monkeypatch, flags, level):
+    from tfmem_widgets.tf.devices import xla_autotune_level
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert xla_autotune_level() == level

@@ -24,6 +24,7 @@ from ..errors import SetupError
 from ..oom.layers import LayerAnatomy, remember_program
 from ..text import LinesText
 from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
+from ..tf.devices import xla_autotune_level
 from ..units import MiB, format_bytes
 from . import hlo
 
@@ -263,7 +264,7 @@ def _xla_settings(device: str) -> tuple[str, str]:
     flags = os.environ.get("XLA_FLAGS", "")
     if not device.startswith("GPU"):
         return flags, "none (XLA on a CPU)"
-    level = next((f.split("=", 1)[1] for f in flags.split() if f.startswith("--xla_gpu_autotune_level=")), None)
+    level = xla_autotune_level()
     if level == "0":
         return flags, "off (--xla_gpu_autotune_level=0): the plan holds for the program compiled with it off"
     return flags, (f"level {level or 'default'}: kernels tried at compile time on the device; the plan holds "

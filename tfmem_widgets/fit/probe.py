@@ -147,27 +147,28 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
                  limit_source=found.source)
 
 
-REFUSED_EXIT = 75  # a lab-mode probe's process ends with this code at its allocator's first refusal
+REFUSED_EXIT = 75  # an XLA probe's process ends with this code at its allocator's first refusal (see below)
 REFUSED = "ended at the allocator's first refusal"
 
 
 def _end_at_first_refusal():
-    """For a step that is one XLA program in lab mode: end the probe's process at the allocator's
-    first refusal (its first dump), not after TensorFlow's 10 s retry. Nothing else of the step runs
-    while the program waits, so nothing frees memory for the retry: measured here, the same searches
-    found the same edges with and without the retry (3,961 / 4,007 and 3,934 / 3,975). A graph step's
-    other ops do free memory meanwhile (refused probes at 4,811 to 5,856 would have trained: its
-    probes keep the retry), and on a GPU XLA's autotuner can be refused scratch and go on with
-    another kernel (its probes run to TensorFlow's own end). Returns the event that stops the watch
-    (None: none)."""
+    """For a step that is one XLA program, in lab mode or on a GPU with XLA's autotuner off: end the
+    probe's process at the allocator's first refusal (its first dump), not after TensorFlow's 10 s
+    retry. Nothing else of the step runs while the program waits, so nothing frees memory for the
+    retry: measured here, the same searches found the same edges with and without the retry (3,961 /
+    4,007 and 3,934 / 3,975). A graph step's other ops do free memory meanwhile (refused probes at
+    4,811 to 5,856 would have trained: its probes keep the retry), and on a GPU whose autotuner is
+    on, XLA can be refused scratch while it compiles and go on with another kernel (its probes run
+    to TensorFlow's own end). Returns the event that stops the watch (None: none)."""
     import os
     import threading
 
     from ..tf import dump_place
+    from ..tf.devices import xla_autotune_level
     from ..tf.lab import lab_limit_bytes
 
     prefix = dump_place.current_prefix()
-    if not prefix or lab_limit_bytes() is None:
+    if not prefix or (lab_limit_bytes() is None and xla_autotune_level() != "0"):
         return None
     before = set(dump_place.dump_files(prefix))
     done = threading.Event()
@@ -228,7 +229,7 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run) -> Pro
         done = run()
     except FreshRunError as exc:
         seconds = time.perf_counter() - started
-        if exc.how == f"ended with exit code {REFUSED_EXIT}":  # lab mode: its first refusal ended it
+        if exc.how == f"ended with exit code {REFUSED_EXIT}":  # its first refusal ended it (_end_at_first_refusal)
             oom = exc.oom  # read from the refusal's dump, which does not say the request
             return Probe(batch, None, seconds, died=REFUSED, limit_bytes=oom.limit_bytes if oom else None,
                          limit_source=oom.limit_source if oom else "unknown")

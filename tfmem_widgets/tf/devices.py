@@ -108,3 +108,13 @@ def resolve_device(device: str | None) -> LogicalDevice:
         f"no device {device!r} in this process: TensorFlow's devices are {names}; "
         f"pass one of them (e.g. {devices[-1].name!r})."
     )
+
+
+def xla_autotune_level() -> str | None:
+    """The level of XLA's GPU autotuner XLA_FLAGS sets (--xla_gpu_autotune_level=N, the last one given,
+    as XLA reads its flags); None where it is not set (the default: on)."""
+    import os
+
+    levels = [flag.split("=", 1)[1] for flag in os.environ.get("XLA_FLAGS", "").split()
+              if flag.startswith("--xla_gpu_autotune_level=")]
+    return levels[-1] if levels else None

@@ -97,7 +97,8 @@ for round_ in range(ROUNDS):
     for name in names:
         ratios[name].append(ways[name]() / base)
     bares.append(bare())
-print(json.dumps({"bare_s": statistics.median(bares), "trace_parts": {k: statistics.median(v) for k, v in parts.items()},
+print(json.dumps({"bare_s": statistics.median(bares), "trace_rounds": parts,
+                  "trace_parts": {k: statistics.median(v) for k, v in parts.items()},
                   "ratios": {k: statistics.median(v) for k, v in ratios.items()},
                   "all": ratios, "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU (lab mode)"}))
 """
@@ -116,6 +117,10 @@ def main() -> int:
           f"(+{part['rest'] / bare:.2f}); the file {part['file_mb']:.1f} MB, "
           f"{part['events']:,.0f} host events, {part['memory_events']:,.0f} of them the allocator's, "
           f"{part['listener_events']:,.0f} the thread pool listener's")
+    rounds_ = out["trace_rounds"]
+    for k, ratio in enumerate(out["all"]["trace"]):
+        print(f"    round {k + 1}: trace x{ratio:.2f} = the fit {rounds_['fit'][k]:.2f} s + stop {rounds_['stop'][k]:.2f} s "
+              f"+ read {rounds_['read'][k]:.2f} s + the rest {rounds_['rest'][k]:.2f} s, against that round's bare epoch")
     return 0
 
 if __name__ == "__main__":

@@ -253,3 +253,38 @@ def test_what_the_step_takes_in_the_pool_as_it_is(whole):
     else:
         assert out["take"] == out["step"]
     assert 0 <= out["measured"] - out["take"] <= 8 * 1024, out
+
+
+BETWEEN = """
+import json, tfmem_widgets
+tfmem_widgets.setup(lab_mb=128)
+import keras, numpy as np
+from tfmem_widgets.fit.plan_search import largest_planned_batch, planned_between
+model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=True)
+sample = (np.ones((8, 512), "float32"), np.ones((8, 1), "float32"))
+rows = []
+for a, m, b in ((1024, 1536, 2048), (3000, 3426, 3800)):
+    planned = {n: tfmem_widgets.plan(model, sample, n) for n in (a, m, b)}
+    between = planned_between(planned[a], planned[b], m)
+    rows.append(dict(real=[planned[m].step_bytes, planned[m].batch_bytes, list(planned[m].step_allocations)],
+                     between=[between.step_bytes, between.batch_bytes, list(between.step_allocations)]))
+found = largest_planned_batch(model, sample, low=1, high=16384)
+fits = {p.batch_size: p.fits() for p in found.plans}
+print(json.dumps(dict(rows=rows, batch=found.batch, failure=found.failure, fits=fits)))
+"""
+
+
+def test_a_plan_between_two_of_the_same_layout_is_the_real_one_and_aims_the_search():
+    # A step's buffers are linear in the batch while XLA lays the program out the same way: the plan
+    # between two planned batches equals the one compiled there (to the allocator's 256-byte steps). The search aims by such
+    # plans between the two that bracket the edge, so it compiles few: measured 7 where aiming by the
+    # line through the two plans' least limits compiled 10.
+    out = run_fresh(BETWEEN, timeout=300)
+    for row in out["rows"]:
+        assert row["between"][:2] == row["real"][:2]  # the step's and the batch's bytes, as the allocator rounds them
+        assert all(abs(x - y) < 256 for x, y in zip(row["between"][2], row["real"][2], strict=True))  # XLA's alignment
+    batch, failure, fits = out["batch"], out["failure"], {int(k): v for k, v in out["fits"].items()}
+    assert fits[batch] and not fits[failure] and failure - batch <= -(-batch * 0.02 // 1)
+    assert len(fits) <= 8, sorted(fits)

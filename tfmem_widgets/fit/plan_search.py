@@ -3,9 +3,13 @@
 A step's bytes are close to linear in the batch, but not quite (the largest moment's live set
 changes: a Dense model's step grows 6.3 KB a row at 64-256 rows and 12.4 KB at 4,096), so a line
 through small batches misaims: each plan is aimed by a line through the two plans nearest the limit
-on either side (regula falsi), with a halving step when the line keeps missing. A batch fits when
-its plan does (``StepPlan.fits``: the peak within the limit and, where the pool grows, each of the
-step's allocations finding room).
+on either side (regula falsi), with a halving step when the line keeps missing. Once two plans of
+the same layout bracket the edge, the plans between them (``planned_between``: each buffer on the
+line through its bytes in the two, exact while XLA lays the program out the same way) say where the
+edge falls, the pool's regions and no-split rule included, without a compile: the next plan is
+aimed there (in lab mode 7 compiles where the lines alone took 10). A batch fits when its plan does
+(``StepPlan.fits``: the peak within the limit and, where the pool grows, each of the step's
+allocations finding room).
 
 ``max_batch_size(method="plan")`` runs this in one fresh process set up like the probes, then
 confirms the answer with a probe at it and one just past it (``fit/search.py``).
@@ -15,9 +19,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import SetupError
+from ..tf.allocator import rounded, worst_take
 from .plan import StepPlan, device_of, plan
 
 
@@ -82,7 +87,9 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 hi = aim
             if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit, high, need=needs)
+            aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit, held(p)))
+            if aim is None:
+                aim = _next_aim(plans, lo, hi, limit, high, need=needs)
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
                        limit, first.limit_source if limit_bytes is None else "given", notes)
@@ -136,13 +143,55 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         else:
             if hi - lo <= max(1, math.ceil(lo * resolution)):
                 break
-            aim = _next_aim(plans, lo, hi, limit_bytes, hi, need=needs)
+            aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit_bytes, held(p), regions))
+            if aim is None:
+                aim = _next_aim(plans, lo, hi, limit_bytes, hi, need=needs)
         if fits(aim):
             lo = aim
         else:
             hi = aim
     return PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), time.perf_counter() - started,
                       above.jit_compile, limit_bytes, "given", notes)
+
+
+def planned_between(a: StepPlan, b: StepPlan, batch: int) -> StepPlan | None:
+    """The plan at `batch` as two planned ones of the same program say: each of the step's allocations
+    (by rank, largest first) on the line through its bytes in the two, the batch's bytes in proportion
+    to its rows; None where the two differ in their number of allocations or inputs (XLA laid the
+    programs out otherwise). A step's buffers are near-linear in the batch between two near batches,
+    not its fit: where the pool's regions or the no-split rule decide, StepPlan.fits of this plan
+    says where the edge falls between them without a compile. For aiming only, never reported."""
+    if (len(a.step_allocations) != len(b.step_allocations) or len(a.batch_sizes) != len(b.batch_sizes)
+            or a.batch_size == b.batch_size):
+        return None
+    t = (batch - a.batch_size) / (b.batch_size - a.batch_size)
+    allocations = tuple(sorted((max(1, round(x + (y - x) * t)) for x, y in zip(a.step_allocations, b.step_allocations)),
+                               reverse=True))
+    inputs = tuple(size // a.batch_size * batch for size in a.batch_sizes)
+    return replace(a, batch_size=batch, step_allocations=allocations, step_bytes=sum(rounded(x) for x in allocations),
+                   worst_take_bytes=sum(worst_take(x) for x in allocations), batch_sizes=inputs, batch_bytes=sum(inputs),
+                   notes=(f"between the plans at {a.batch_size:,} and {b.batch_size:,}",))
+
+
+def _aim_between(plans: dict[int, StepPlan], lo: int, hi: int | None, resolution: float, fits) -> int | None:
+    """The next batch to plan between lo (fits) and hi (does not), by the plans between them
+    (planned_between): the largest whose plan between them fits, or where that is within the
+    resolution of lo, lo's step past it (to close the search: it fails as the plans between say, or
+    the edge lies higher). None where the two cannot be drawn between, or the aim is planned already."""
+    if lo not in plans or hi not in plans:  # (no bound above yet, or a batch XLA could not compile)
+        return None
+    low, high = plans[lo], plans[hi]
+    if planned_between(low, high, lo) is None:
+        return None
+    ok, bad = lo, hi  # fits(ok) and not fits(bad), by the plans between
+    while bad - ok > 1:
+        middle = (ok + bad) // 2
+        if fits(planned_between(low, high, middle)):
+            ok = middle
+        else:
+            bad = middle
+    aim = min(max(ok, lo + max(1, math.ceil(lo * resolution))), hi - 1)
+    return aim if lo < aim and aim not in plans else None
 
 
 def _least_limits(held, regions: bool | None = None):

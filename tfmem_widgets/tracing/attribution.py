@@ -125,23 +125,39 @@ def _last_running(begin, end, times) -> np.ndarray:
     return np.where((k >= 0) & (end[np.maximum(k, 0)] >= times), k, -1)
 
 
-def _function_tables(lines) -> dict:
-    """For each plane's names (the dict its lines share, by id): by metadata id, whether the activity
-    is a tf.function, and {id: the function's name}; each name of an id the lines hold read once."""
+class _FunctionTable:
+    """One plane's activities that are tf.functions, for every metadata id its lines hold (each name
+    read once): function(meta) is the interned name of each activity's function, -1 for none. Ids are
+    looked up among the plane's own, sorted: no table as long as the largest id."""
+
+    def __init__(self, names: dict, metas: list):
+        self.ids = np.asarray(_ids(np.concatenate(metas).astype(np.int64)), dtype=np.int64)
+        self.functions = {}  # metadata id -> the function's name
+        for mid in self.ids.tolist():
+            name = names[mid]
+            if "__inference_" in name and (match := FUNCTION.search(name)):
+                self.functions[mid] = match.group(1)
+        self.texts = np.full(len(self.ids), -1, dtype=np.int64)
+
+    def intern_all(self, intern) -> None:
+        for mid, function in self.functions.items():
+            self.texts[np.searchsorted(self.ids, mid)] = intern(function)
+
+    def function(self, meta) -> np.ndarray:
+        return self.texts[np.searchsorted(self.ids, meta)] if len(self.ids) else np.full(len(meta), -1, np.int64)
+
+    def is_function(self, meta) -> np.ndarray:
+        if not self.functions:
+            return np.zeros(len(meta), dtype=bool)
+        return np.isin(meta, np.fromiter(self.functions, dtype=np.int64, count=len(self.functions)))
+
+
+def _function_tables(lines) -> dict[int, _FunctionTable]:
+    """A _FunctionTable for each plane's names (the dict its lines share, by id)."""
     planes: dict[int, tuple[dict, list]] = {}
     for (_, _, meta), names in lines:
         planes.setdefault(id(names), (names, []))[1].append(meta)
-    tables = {}
-    for key, (names, metas) in planes.items():
-        ids = _ids(np.concatenate(metas).astype(np.int64))
-        is_function, functions = np.zeros(max(ids, default=-1) + 1, dtype=bool), {}
-        for mid in ids:
-            name = names[mid]
-            if "__inference_" in name and (match := FUNCTION.search(name)):
-                is_function[mid] = True
-                functions[mid] = match.group(1)
-        tables[key] = is_function, functions
-    return tables
+    return {key: _FunctionTable(names, metas) for key, (names, metas) in planes.items()}
 
 
 def name_unnamed_allocations(columns, lines, intern) -> None:
@@ -164,20 +180,19 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
     # The tf.functions of every thread.
     f_begin, f_end, f_name = [], [], []
     for (begin, end, meta), names in lines:
-        is_function, functions = tables[id(names)]
-        hit = is_function[meta]
+        table = tables[id(names)]
+        if not table.functions:
+            continue
+        hit = table.is_function(meta)
         if not hit.any():
             continue
         for mid in _ids(meta[hit]):
             pick = meta == mid
             f_begin.append(begin[pick])
             f_end.append(end[pick])
-            f_name.append(np.full(int(pick.sum()), intern(functions[mid]), dtype=np.int64))
-    function_text = {}  # each plane's table of its function names' texts (all interned above)
-    for key, (is_function, functions) in tables.items():
-        function_text[key] = np.full(len(is_function), -1, dtype=np.int64)
-        for mid, function in functions.items():
-            function_text[key][mid] = intern(function)
+            f_name.append(np.full(int(pick.sum()), intern(table.functions[mid]), dtype=np.int64))
+    for table in tables.values():  # (each already interned above, in the lines' order)
+        table.intern_all(intern)
     if f_begin:
         fb, fe, fn = np.concatenate(f_begin), np.concatenate(f_end), np.concatenate(f_name)
         order = np.lexsort((-fe, fb))
@@ -215,7 +230,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                 if mid not in known:
                     known[mid] = bool(_XLA_MARKER.search(names[mid]))
                 xla_of[mid] = known[mid]
-            xla_flag, fn_id = xla_of[meta], function_text[id(names)][meta]
+            xla_flag, fn_id = xla_of[meta], tables[id(names)].function(meta)
             at = _covering(begin, end, parent, times[mine])
             innermost = np.full(len(mine), -1, dtype=np.int64)
             innermost[at >= 0] = meta[at[at >= 0]]

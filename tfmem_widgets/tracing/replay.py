@@ -186,6 +186,8 @@ class Replay:
         done = self.position  # the last event applied
         if done >= index:
             return self
+        if index >= len(kinds):
+            raise IndexError(f"event {index} is past the trace's last, {len(kinds) - 1}")
         self._free_sizes = None
         first, last = done + 1, index + 1
         i, finished = first, False

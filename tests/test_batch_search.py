@@ -105,7 +105,8 @@ def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():
                                           progress=False, method="probe")
     safe, failure = search.edge
     assert safe is not None and failure is not None and failure - safe <= max(1, -(-safe * search.resolution // 1))
-    assert search.failed and all(p.died == REFUSED and p.seconds < 10 for p in search.failed)
+    # (how each ended is read from its exit code, which only the refusal's watcher gives; no timing asserted)
+    assert search.failed and all(p.died == REFUSED for p in search.failed), [(p.batch, p.died) for p in search.failed]
     assert "the process ended at the allocator's first refusal" in repr(search)
     assert not _children()
 

@@ -190,7 +190,9 @@ def _aim_between(plans: dict[int, StepPlan], lo: int, hi: int | None, resolution
             ok = middle
         else:
             bad = middle
-    aim = min(max(ok, lo + max(1, math.ceil(lo * resolution))), hi - 1)
+    # At least lo's step above lo, and a quarter of the gap below hi: where the plans between are
+    # optimistic (a layout that changes between the two), each compile still closes the gap by a quarter.
+    aim = min(max(ok, lo + max(1, math.ceil(lo * resolution))), hi - max(1, (hi - lo) // 4))
     return aim if lo < aim and aim not in plans else None
 
 

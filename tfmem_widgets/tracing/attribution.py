@@ -223,17 +223,18 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
                     labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
                 continue
             # Per metadata id, looked up for all activities at once.
+            # Ids are numbered among the line's own, in their order (no table as long as the largest id).
             known = marks_xla.setdefault(id(names), {})
-            ids = _ids(meta)
-            xla_of = np.zeros(max(ids, default=-1) + 1, dtype=bool)
-            for mid in ids:
+            ids = np.asarray(_ids(meta), dtype=np.int64)
+            for mid in ids.tolist():
                 if mid not in known:
                     known[mid] = bool(_XLA_MARKER.search(names[mid]))
-                xla_of[mid] = known[mid]
-            xla_flag, fn_id = xla_of[meta], tables[id(names)].function(meta)
+            place = np.searchsorted(ids, meta)
+            xla_of = np.fromiter((known[mid] for mid in ids.tolist()), dtype=bool, count=len(ids))
+            xla_flag, fn_id = xla_of[place], tables[id(names)].function(meta)
             at = _covering(begin, end, parent, times[mine])
-            innermost = np.full(len(mine), -1, dtype=np.int64)
-            innermost[at >= 0] = meta[at[at >= 0]]
+            innermost = np.full(len(mine), -1, dtype=np.int64)  # the innermost activity's id, by its number
+            innermost[at >= 0] = place[at[at >= 0]]
             xla = np.zeros(len(mine), dtype=bool)
             own = np.full(len(mine), -1, dtype=np.int64)
             k = at.copy()
@@ -252,7 +253,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
             unique, inverse = np.unique(keys, return_inverse=True)
             x, rest = np.divmod(unique, f_span * i_span)
             f, i = np.divmod(rest, i_span)
-            words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[i - 1] if i > 0 else None)
+            words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[int(ids[i - 1])] if i > 0 else None)
                      for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
             numbers = [0] * len(words)
             for k in _naming_order(words, inverse, intern.texts, line_spans, begin):

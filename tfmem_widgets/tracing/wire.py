@@ -368,7 +368,9 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
     would have been decoded in on its own (their texts are interned in that order)."""
     offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
     # The stats no column takes (a memory event's id, bytes_reserved) are left undecoded: where a
-    # stat's id is its first byte after the tag, as the profiler writes it, it is known here.
+    # stat's id is its first byte after the tag, as the profiler writes it, it is known here. (Such a
+    # stat is not read, so not checked either; its id is its first, where a stat repeating the field
+    # would take its last: the profiler writes each field once.)
     table = info.slot_table
     first = buf[s_start]
     sid = buf[s_start + 1]

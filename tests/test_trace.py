@@ -59,6 +59,31 @@ def test_a_trace_records_each_chunk_with_its_op_and_the_memory_from_before(lab_s
     del y, earlier
 
 
+def test_a_trace_from_mid_run_replays_the_same_at_once_and_event_by_event(lab_session):
+    import tensorflow as tf
+
+    from tfmem_widgets.tracing.replay import Replay
+
+    with tf.device("CPU:0"):
+        earlier = [tf.fill((k << 16,), 1.0) for k in (1, 2, 3)]  # 256, 512 and 768 KiB from before the trace
+        with trace() as t:
+            del earlier[1]  # a chunk from before, freed in the trace
+            x = tf.fill((1 << 18,), 2.0)
+            y = x * 3.0
+            del x
+    e = t.events(CPU)
+    assert e.in_use_before() > 0 and not t.is_fresh(CPU)
+    whole = Replay(e, fresh=False).run_to(len(e) - 1)
+    stepped = Replay(e, fresh=False)
+    for _ in range(len(e)):
+        stepped.step()
+    assert whole.in_use == stepped.in_use and whole.regions == stepped.regions == []
+    assert whole.before_trace_bytes == stepped.before_trace_bytes == e.in_use_before() - 512 * 1024
+    assert t.map().before_trace_bytes == whole.before_trace_bytes
+    assert t.map().in_use_bytes == whole.before_trace_bytes + 1024 * 1024  # and y's 1 MiB
+    del y, earlier
+
+
 def test_magic_trace_returns_and_stores_the_trace_and_draws(shell, capsys):
     t = shell.run_cell_magic(
         "tfmem", "trace -o -v traced --plot",

@@ -76,21 +76,6 @@ def _around(begin, end, meta, times):
     return begin[keep], end[keep], meta[keep]
 
 
-def _naming_order(words, inverse, texts, line_spans, begin) -> list[int]:
-    """The order to intern a line's new label words in, as the whole line's activities decide: in
-    the order of the words where they nest, or else of the allocations one at a time (where only
-    those around allocations were nested: whether the rest nest is asked only if it matters)."""
-    by_word = list(range(len(words)))
-    _, first = np.unique(inverse.reshape(-1), return_index=True)
-    by_allocation = np.argsort(first, kind="stable").tolist()
-    known = set(texts)
-    if [k for k in by_word if words[k] not in known] == [k for k in by_allocation if words[k] not in known]:
-        return by_word
-    if len(begin) == len(line_spans[0]) or _parents(*line_spans) is not None:
-        return by_word
-    return by_allocation
-
-
 def _covering(begin, end, parent, times) -> np.ndarray:
     """For each time, the innermost activity covering it (-1 for none)."""
     if not len(begin):
@@ -138,6 +123,7 @@ class _FunctionTable:
             if "__inference_" in name and (match := FUNCTION.search(name)):
                 self.functions[mid] = match.group(1)
         self.texts = np.full(len(self.ids), -1, dtype=np.int64)
+        self.is_one = np.isin(self.ids, np.fromiter(self.functions, dtype=np.int64, count=len(self.functions)))
 
     def intern_all(self, intern) -> None:
         for mid, function in self.functions.items():
@@ -149,7 +135,7 @@ class _FunctionTable:
     def is_function(self, meta) -> np.ndarray:
         if not self.functions:
             return np.zeros(len(meta), dtype=bool)
-        return np.isin(meta, np.fromiter(self.functions, dtype=np.int64, count=len(self.functions)))
+        return self.is_one[np.searchsorted(self.ids, meta)]
 
 
 def _function_tables(lines) -> dict[int, _FunctionTable]:
@@ -209,7 +195,6 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         for line_number in np.unique(line_of).tolist():
             mine = np.nonzero(line_of == line_number)[0]
             (begin, end, meta), names = parsed[line_number]
-            line_spans = begin, end
             near = _around(begin, end, meta, times[mine])
             if not np.any((np.diff(near[0]) == 0) & (np.diff(near[1]) == 0)):
                 begin, end, meta = near  # (twins keep the whole line: which is innermost is the line's say)
@@ -255,11 +240,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
             f, i = np.divmod(rest, i_span)
             words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[int(ids[i - 1])] if i > 0 else None)
                      for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
-            numbers = [0] * len(words)
-            for k in _naming_order(words, inverse, intern.texts, line_spans, begin):
-                numbers[k] = intern(words[k])
-            words = numbers
-            labels[mine] = np.asarray(words, dtype=np.int64)[inverse.reshape(-1)]
+            labels[mine] = np.fromiter(map(intern, words), dtype=np.int64, count=len(words))[inverse.reshape(-1)]
         cols["op"][unnamed] = labels.astype(cols["op"].dtype)
     for cols in columns.values():
         cols.pop("line", None)

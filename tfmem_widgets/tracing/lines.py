@@ -107,10 +107,12 @@ def read_memory_columns(data: bytes | None, source: str):
             plane_info = _PlaneInfo(
                 memory_ids=memory_ids,
                 kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
-                slot_table=_slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS}),
+                slot_table=(slot_table := _slot_table({mid: SLOTS[name] for mid, name in stat_names.items()
+                                                       if name in SLOTS})),
                 stat_names=stat_names,
                 activity_ids=activity_ids,
                 ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
+                unused_ids=np.isin(np.arange(256), np.flatnonzero(slot_table[:0x80] < 0)),
                 kind_table=_id_table(kinds),
                 activity_table=_id_table(dict.fromkeys(activity_names, 1)),
             )
@@ -152,6 +154,7 @@ class _PlaneInfo(NamedTuple):
     stat_names: dict  # stat metadata id -> name
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
     ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
+    unused_ids: np.ndarray  # by a byte: whether it is the one-byte id of a stat no column takes
     kind_table: np.ndarray | None  # by event metadata id: ALLOC, FREE or 0 (see _id_table)
     activity_table: np.ndarray | None  # by event metadata id: 1 for an activity, else 0
 
@@ -303,9 +306,8 @@ def _decode_across(pieces, cuts, buf, starts, ends, offset, after, kind, info, i
     """_decode_batch's groups made of several lines' events, where each line's own groups would all
     be of _GROUP_EVENTS (fewer than 16 times as many events decoded so far): a line of a few events
     then costs no group of its own. A group holds whole segments, the groups each line would have
-    been decoded in on its own, up to _GROUP_EVENTS events; their texts are interned segment by
-    segment, in the same order. False (nothing done) where a line's timestamp is no time in
-    nanoseconds from 1970 to 2554 (the lines are then decoded one by one)."""
+    been decoded in on its own, up to _GROUP_EVENTS events. False (nothing done) where a line's
+    timestamp is no time in nanoseconds from 1970 to 2554 (the lines are then decoded one by one)."""
     stamps = [timestamp_ns for _, timestamp_ns, _ in pieces]
     if not all(0 <= t <= _MAX_STAMP for t in stamps):
         return False
@@ -331,7 +333,7 @@ def _decode_across(pieces, cuts, buf, starts, ends, offset, after, kind, info, i
         try:
             _decode_group(buf, starts[group], ends[group], offset[group], after[group], kind[group],
                           np.array([t for _, t, _ in held_pieces], dtype=np.uint64)[pick], info, intern, parts,
-                          np.array([number for number, _, _ in held_pieces], dtype=np.int64)[pick], segment=pick)
+                          np.array([number for number, _, _ in held_pieces], dtype=np.int64)[pick])
         except ValueError:
             # A damaged event: the segments one at a time, so that the error is the first line by line.
             for one in held:

@@ -191,6 +191,20 @@ class Replay:
         self._free_sizes = None
         first, last = done + 1, index + 1
         i, finished = first, False
+        if not self.fresh:
+            # A trace from mid-run makes no region (the pool's layout before it is unknown) and so no
+            # free chunk: its chunks are the ones it allocated, and what it frees of the rest comes
+            # off the bytes from before (_allocate and _deallocate, reduced to what they do then).
+            before = 0
+            for i, kind, address, size in zip(range(first, last), kinds[first:last], addresses[first:last],
+                                              sizes[first:last]):
+                if kind == ALLOC:
+                    in_use[address] = (size, i)
+                elif in_use.pop(address, None) is None:
+                    before += size
+            self.before_trace_bytes -= before
+            self.position = index
+            return self
         try:
             # One loop over the events' fields side by side: cheaper than reading each column at i.
             for i, kind, address, size in zip(range(first, last), kinds[first:last], addresses[first:last],

@@ -53,6 +53,11 @@ def parse_message(message, source, what: str, data: bytes | None = None):
     return message
 
 
+def _pairs(buf: np.ndarray) -> np.ndarray:
+    """The two bytes from each position of buf as one little-endian uint16 (overlapping)."""
+    return np.ndarray((max(len(buf) - 1, 0),), dtype="<u2", buffer=buf, strides=(1,))
+
+
 def _words(buf: np.ndarray) -> np.ndarray:
     """The eight bytes from each position of buf as one little-endian uint64 (overlapping)."""
     return np.ndarray((max(len(buf) - 7, 0),), dtype="<u8", buffer=buf, strides=(1,))
@@ -150,7 +155,7 @@ def _event_fields(buf, start, end, offset_ps, p):
     q, last = p[alive], end[alive]  # the next stat's position and the end, of the events still read
     stat_tag = _EVENT_STATS << 3 | _WIRE_LEN
     # The two bytes at each position as one number (tag, then size): read together, one gather.
-    pairs = np.ndarray((max(len(buf) - 1, 0),), dtype="<u2", buffer=buf, strides=(1,))
+    pairs = _pairs(buf)
     while len(alive):
         pair = pairs[q]
         plain = (pair & 0x80FF) == stat_tag  # the stats tag, and a size of one byte
@@ -361,21 +366,18 @@ def _interned(buf, ref_ids, strings, stat_texts, info, intern):
     return ref_text, string_text
 
 
-def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number,
-                  segment=None) -> None:
+def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info, intern, parts, line_number) -> None:
     """Memory events' columns into parts, by allocator. timestamp_ns and line_number: their line's, or,
-    for events of several lines, each event's (arrays); segment then numbers the groups each line
-    would have been decoded in on its own (their texts are interned in that order)."""
+    for events of several lines, each event's (arrays)."""
     offset_ps, owner, s_start, s_end = _event_fields(buf, starts, ends, offset_ps, after)
     # The stats no column takes (a memory event's id, bytes_reserved) are left undecoded: where a
     # stat's id is its first byte after the tag, as the profiler writes it, it is known here. (Such a
     # stat is not read, so not checked either; its id is its first, where a stat repeating the field
-    # would take its last: the profiler writes each field once.)
-    table = info.slot_table
-    first = buf[s_start]
-    sid = buf[s_start + 1]
-    unused = (first == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)) & (sid < min(len(table), 0x80)) & (s_end - s_start >= 2)
-    unused[unused] = table[sid[unused]] < 0
+    # would take its last: the profiler writes each field once.) A stat's first two bytes are read
+    # as one number: the tag of its id, then the id.
+    head = _pairs(buf)[s_start]
+    unused = ((head & 0xFF) == (_STAT_METADATA_ID << 3 | _WIRE_VARINT)) & info.unused_ids[head >> 8] & \
+        (s_end - s_start >= 2)
     if unused.any():
         keep = ~unused
         owner, s_start, s_end = owner[keep], s_start[keep], s_end[keep]
@@ -406,17 +408,7 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
     ref = text_slots & (stat_field == _STAT_REF)
     refs = np.nonzero(ref)[0]
     strings = np.nonzero(text_slots & (stat_field == _STAT_STR))[0]
-    if segment is None:
-        ref_text, string_text = _interned(buf, stat_value[refs], strings, stat_texts, info, intern)
-    else:
-        # Texts interned segment by segment, in the order each would have met them on its own.
-        ref_text = np.zeros(len(refs), dtype=np.int64)
-        string_text = np.zeros(len(strings), dtype=np.int64)
-        ref_segment, string_segment = segment[owner[refs]], segment[owner[strings]]
-        for part in np.unique(segment).tolist():
-            mine_refs, mine_strings = ref_segment == part, string_segment == part
-            ref_text[mine_refs], string_text[mine_strings] = _interned(
-                buf, stat_value[refs[mine_refs]], strings[mine_strings], stat_texts, info, intern)
+    ref_text, string_text = _interned(buf, stat_value[refs], strings, stat_texts, info, intern)
     for rows, values in ((refs, ref_text), (strings, string_text)):
         pick = slots[rows] < ALLOCATOR_SLOT
         row_text[slots[rows[pick]] - (FIRST_TEXT_SLOT + 1), owner[rows[pick]]] = values[pick]

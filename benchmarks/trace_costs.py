@@ -7,9 +7,12 @@
 2. Reading and rebuilding the pool at the end is timed, side by side with XProf's own
    memory-profile conversion of the same xplane.pb (package tensorboard-plugin-profile),
    alternating, in one process (medians of three each, 41 for the small Keras trace, and their
-   ratio), for three traces: the Keras fit above; an eager loop of 200,000 tf.fills (about 800,000 allocator events, each
-   allocation named by the op activity around it); a million allocator events of a tf.function
-   loop of 500,000 steps, each making and dropping one tensor, on TensorFlow's real BFC allocator.
+   ratio), for four traces: the Keras fit above; a Keras fit of 500 steps; an eager loop of 200,000
+   tf.fills (about 800,000 allocator events, each allocation named by the op activity around it); a
+   million allocator events of a tf.function loop of 500,000 steps, each making and dropping one
+   tensor, on TensorFlow's real BFC allocator. The pool is rebuilt as a trace's map rebuilds it:
+   from the allocator's first allocation where nothing was in use before the trace (the loops),
+   else from the trace's own chunks (the Keras fits: the model's weights came first).
 3. The memory map of the first 100,000 chunks of that trace is drawn (Agg) and timed.
 
 Each measurement runs in its own process, so one does not inflate another's memory.
@@ -40,12 +43,13 @@ def run(code: str, **env) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def record_keras(workdir: Path) -> dict:
-    return run(keras_classifier(lab_mb=2048, width=512, rows=640) + textwrap.dedent(f"""
+def record_keras(workdir: Path, steps: int = 10) -> dict:
+    folder = str(workdir / f"keras-{steps}")
+    return run(keras_classifier(lab_mb=2048, width=512, rows=64 * steps) + textwrap.dedent(f"""
         import json
-        with tfmem_widgets.trace(keep={str(workdir / 'keras')!r}) as t:
-            model.fit(x, y, batch_size=64, epochs=1, verbose=0)    # 10 steps
-        path = __import__("glob").glob({str(workdir / 'keras')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
+        with tfmem_widgets.trace(keep={folder!r}) as t:
+            model.fit(x, y, batch_size=64, epochs=1, verbose=0)    # {steps} steps
+        path = __import__("glob").glob({folder!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
                           "events": sum(len(t.events(a)) for a in t.allocators)}}))
     """))
@@ -137,7 +141,8 @@ def time_million(path: str, rounds: int = 3) -> dict:
         for _ in range({rounds}):
             start = time.perf_counter()
             events = read_xplane_file({path!r})["bfc_cpu_allocator_for_gpu"]
-            Replay(events, fresh=True).run_to(len(events) - 1).snapshot()
+            # (as Trace.map: from the first allocation only where nothing was in use before the trace)
+            Replay(events, fresh=events.in_use_before() == 0).run_to(len(events) - 1).snapshot()
             ours.append(time.perf_counter() - start)
             del events
             start = time.perf_counter()
@@ -205,6 +210,12 @@ def measure_all(workdir: Path, steps: int, reading_only: bool = False) -> None:
     print(f"Keras fit, 10 steps: read + rebuild {timing['ours'] * 1000:.2f} ms; XProf memory_profile conversion "
           f"{timing['xprof'] * 1000:.2f} ms; ratio {timing['ours'] / timing['xprof']:.2f} (medians of 41, alternating)",
           flush=True)
+
+    long = record_keras(workdir, 500)
+    timing = time_million(long["path"])
+    print(f"Keras fit, 500 steps, {long['events']:,} allocator events (xplane.pb {long['bytes'] / mb:.0f} MiB): "
+          f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
+          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
 
     eager = record_eager(workdir, steps * 2 // 5)
     timing = time_million(eager["path"])

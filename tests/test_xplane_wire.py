@@ -131,10 +131,11 @@ def test_allocations_without_an_op_are_named_by_the_activity_around_them(lab_ses
     assert "" not in labels
 
 
-def _unnamed_space():
+def _unnamed_space(overlap=True):
     """Allocations without an op under activities on three threads: nested ones (a tf.function, an
-    XLA launch inside it), two that begin together, two that overlap without nesting, and a
-    tf.function on another thread. Times in nanoseconds, as memory events carry them."""
+    XLA launch inside it), two that begin together, two that overlap without nesting (overlap=False:
+    one after the other), and a tf.function on another thread. Times in nanoseconds, as memory
+    events carry them."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
@@ -155,7 +156,7 @@ def _unnamed_space():
     spans = {1: [("__inference_step_12", 100, 10_000), ("XlaLaunch", 200, 5_000), ("Inner", 300, 400),
                  ("A", 12_000, 12_500), ("B", 12_000, 12_200)],
              2: [("__inference_other_3", 15_000, 30_000)],
-             3: [("P", 50_000, 50_300), ("Q", 50_200, 50_400)]}
+             3: [("P", 50_000, 50_300), ("Q", 50_200 if overlap else 50_300, 50_400)]}
     for k, items in spans.items():
         for name, begin, end in items:
             lines[k].events.add(metadata_id=ids[name], offset_ps=begin * ns, duration_ps=(end - begin) * ns)
@@ -186,3 +187,15 @@ def test_allocations_without_an_op_are_named_by_their_thread_and_the_functions_r
                       "(in other)",    # nothing around it on its thread: the tf.function another runs
                       "",              # nothing at all
                       "(in Q)"]        # overlapping without nesting: read one by one, the later begun
+
+
+def test_allocations_on_threads_whose_activities_all_nest_are_named_the_same_read_together():
+    # Threads 1 and 3 of one plane are labelled in one pass (each in a time window of its own) where
+    # all their activities nest; where one thread's overlap (above) each is read on its own.
+    data = _unnamed_space(overlap=False)
+    fast = read_xspace(data)
+    assert_same(fast, read_xspace_reference(data))
+    events = fast["bfc"]
+    labels = [events.texts[i] for i, kind in zip(events.op, events.kind) if kind > 0]
+    assert labels == ["(XLA program in step)", "(XLA program in step)", "(in step)", "(in B)", "(in other)", "",
+                      "(in P)"]

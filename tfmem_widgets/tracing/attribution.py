@@ -123,7 +123,8 @@ class _FunctionTable:
             if "__inference_" in name and (match := FUNCTION.search(name)):
                 self.functions[mid] = match.group(1)
         self.texts = np.full(len(self.ids), -1, dtype=np.int64)
-        self.is_one = np.isin(self.ids, np.fromiter(self.functions, dtype=np.int64, count=len(self.functions)))
+        self.is_one = np.zeros(len(self.ids), dtype=bool)  # by number among the ids: a tf.function's
+        self.is_one[np.searchsorted(self.ids, np.fromiter(self.functions, dtype=np.int64, count=len(self.functions)))] = True
 
     def intern_all(self, intern) -> None:
         for mid, function in self.functions.items():
@@ -144,6 +145,67 @@ def _function_tables(lines) -> dict[int, _FunctionTable]:
     for (_, _, meta), names in lines:
         planes.setdefault(id(names), (names, []))[1].append(meta)
     return {key: _FunctionTable(names, metas) for key, (names, metas) in planes.items()}
+
+
+def _windows(lines):
+    """lines: ((begin, end, meta), times) of several lines. Their activities and times each moved
+    into a window of its own, one after the other (what is in one line is in its window, in the same
+    order): (begin, end, meta, times), concatenated."""
+    shift, out = 0, []
+    for (begin, end, meta), times in lines:
+        low = min(int(begin.min(initial=times.min())), int(times.min()))
+        high = max(int(end.max(initial=times.max())), int(times.max()))
+        moved = shift - low
+        out.append((begin + moved, end + moved, meta, times + moved))
+        shift += high - low + 1
+    return tuple(np.concatenate(column) for column in zip(*out))
+
+
+def _label_line(begin, end, meta, times, running_name, context) -> np.ndarray | None:
+    """The label of each allocation at `times` on a line whose activities (in _activities' order)
+    are begin, end, meta: the XLA program, tf.function and innermost activity around it, else the
+    tf.function running then (running_name: its interned name, -1 for none). None where the
+    activities overlap without nesting. context: (names, function table, XLA marks, intern)."""
+    names, table, known, intern = context
+    near = _around(begin, end, meta, times)
+    if not np.any((np.diff(near[0]) == 0) & (np.diff(near[1]) == 0)):
+        begin, end, meta = near  # (twins keep the whole line: which is innermost is the line's say)
+    parent = _parents(begin, end)
+    if parent is None:
+        return None
+    # Per metadata id, looked up for all activities at once.
+    # Ids are numbered among the line's own, in their order (no table as long as the largest id).
+    ids = np.asarray(_ids(meta), dtype=np.int64)
+    for mid in ids.tolist():
+        if mid not in known:
+            known[mid] = bool(_XLA_MARKER.search(names[mid]))
+    place = np.searchsorted(ids, meta)
+    xla_of = np.fromiter((known[mid] for mid in ids.tolist()), dtype=bool, count=len(ids))
+    xla_flag, fn_id = xla_of[place], table.function(meta)
+    at = _covering(begin, end, parent, times)
+    innermost = np.full(len(times), -1, dtype=np.int64)  # the innermost activity's id, by its number
+    innermost[at >= 0] = place[at[at >= 0]]
+    xla = np.zeros(len(times), dtype=bool)
+    own = np.full(len(times), -1, dtype=np.int64)
+    k = at.copy()
+    while (k >= 0).any():  # up the chain of enclosing activities, one level for all at once
+        alive = k >= 0
+        here = k[alive]
+        xla[alive] |= xla_flag[here]
+        unset = alive & (own < 0)
+        own[unset] = fn_id[k[unset]]
+        k[alive] = parent[here]
+    function = np.where(own >= 0, own, running_name)
+    # One number per (XLA, function, innermost), in the order of those triples.
+    f_span = int(function.max(initial=-1)) + 2
+    i_span = int(innermost.max(initial=-1)) + 2
+    keys = (xla.astype(np.int64) * f_span + (function + 1)) * i_span + (innermost + 1)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    x, rest = np.divmod(unique, f_span * i_span)
+    f, i = np.divmod(rest, i_span)
+    words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[int(ids[i - 1])] if i > 0 else None)
+             for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
+    return np.fromiter(map(intern, words), dtype=np.int64, count=len(words))[inverse.reshape(-1)]
 
 
 def name_unnamed_allocations(columns, lines, intern) -> None:
@@ -192,55 +254,35 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
         running_name = np.full(len(times), -1, dtype=np.int64)
         running_name[running >= 0] = fn[running[running >= 0]]
         labels = np.zeros(len(unnamed), dtype=np.int64)
+        # The lines of one plane (one names dict) are labelled together: each line's activities and
+        # allocations moved into a time window of its own, so that no two lines' activities overlap
+        # and one array pass serves them all. Where activities do not nest, line by line.
+        by_plane: dict[int, list[tuple[int, np.ndarray]]] = {}
         for line_number in np.unique(line_of).tolist():
-            mine = np.nonzero(line_of == line_number)[0]
-            (begin, end, meta), names = parsed[line_number]
-            near = _around(begin, end, meta, times[mine])
-            if not np.any((np.diff(near[0]) == 0) & (np.diff(near[1]) == 0)):
-                begin, end, meta = near  # (twins keep the whole line: which is innermost is the line's say)
-            parent = _parents(begin, end)
-            if parent is None:  # activities that overlap without nesting: one at a time
-                spans = sorted(zip(begin.tolist(), (-end).tolist(), meta.tolist()))
-                for k in mine.tolist():
-                    t = int(times[k])
-                    chain = [names[m] for b, ne, m in spans if b <= t <= -ne]
-                    live = [intern.texts[int(running_name[k])]] if running_name[k] >= 0 else []
-                    labels[k] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
-                continue
-            # Per metadata id, looked up for all activities at once.
-            # Ids are numbered among the line's own, in their order (no table as long as the largest id).
-            known = marks_xla.setdefault(id(names), {})
-            ids = np.asarray(_ids(meta), dtype=np.int64)
-            for mid in ids.tolist():
-                if mid not in known:
-                    known[mid] = bool(_XLA_MARKER.search(names[mid]))
-            place = np.searchsorted(ids, meta)
-            xla_of = np.fromiter((known[mid] for mid in ids.tolist()), dtype=bool, count=len(ids))
-            xla_flag, fn_id = xla_of[place], tables[id(names)].function(meta)
-            at = _covering(begin, end, parent, times[mine])
-            innermost = np.full(len(mine), -1, dtype=np.int64)  # the innermost activity's id, by its number
-            innermost[at >= 0] = place[at[at >= 0]]
-            xla = np.zeros(len(mine), dtype=bool)
-            own = np.full(len(mine), -1, dtype=np.int64)
-            k = at.copy()
-            while (k >= 0).any():  # up the chain of enclosing activities, one level for all at once
-                alive = k >= 0
-                here = k[alive]
-                xla[alive] |= xla_flag[here]
-                unset = alive & (own < 0)
-                own[unset] = fn_id[k[unset]]
-                k[alive] = parent[here]
-            function = np.where(own >= 0, own, running_name[mine])
-            # One number per (XLA, function, innermost), in the order of those triples.
-            f_span = int(function.max(initial=-1)) + 2
-            i_span = int(innermost.max(initial=-1)) + 2
-            keys = (xla.astype(np.int64) * f_span + (function + 1)) * i_span + (innermost + 1)
-            unique, inverse = np.unique(keys, return_inverse=True)
-            x, rest = np.divmod(unique, f_span * i_span)
-            f, i = np.divmod(rest, i_span)
-            words = [label(bool(x), intern.texts[f - 1] if f > 0 else None, names[int(ids[i - 1])] if i > 0 else None)
-                     for x, f, i in zip(x.tolist(), f.tolist(), i.tolist())]
-            labels[mine] = np.fromiter(map(intern, words), dtype=np.int64, count=len(words))[inverse.reshape(-1)]
+            by_plane.setdefault(id(parsed[line_number][1]), []).append(
+                (line_number, np.nonzero(line_of == line_number)[0]))
+        for held in by_plane.values():
+            names = parsed[held[0][0]][1]
+            context = names, tables[id(names)], marks_xla.setdefault(id(names), {}), intern
+            if len(held) > 1:
+                windows = _windows([(parsed[number][0], times[mine]) for number, mine in held])
+                mine = np.concatenate([m for _, m in held])
+                found = _label_line(*windows, running_name[mine], context)
+                if found is not None:
+                    labels[mine] = found
+                    continue
+            for line_number, mine in held:
+                (begin, end, meta), _ = parsed[line_number]
+                found = _label_line(begin, end, meta, times[mine], running_name[mine], context)
+                if found is None:  # activities that overlap without nesting: one at a time
+                    spans = sorted(zip(begin.tolist(), (-end).tolist(), meta.tolist()))
+                    found = np.zeros(len(mine), dtype=np.int64)
+                    for q, k in enumerate(mine.tolist()):
+                        t = int(times[k])
+                        chain = [names[m] for b, ne, m in spans if b <= t <= -ne]
+                        live = [intern.texts[int(running_name[k])]] if running_name[k] >= 0 else []
+                        found[q] = intern(context_label(chain, [f"__inference_{f}_0" for f in live]))
+                labels[mine] = found
         cols["op"][unnamed] = labels.astype(cols["op"].dtype)
     for cols in columns.values():
         cols.pop("line", None)

@@ -119,6 +119,7 @@ def read_memory_columns(data: bytes | None, source: str):
                 activity_ids=activity_ids,
                 ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
                 unused_ids=np.isin(np.arange(256), np.flatnonzero(slot_table[:0x80] < 0)),
+                slot_of_byte=np.concatenate([slot_table[:256], np.full(max(0, 256 - len(slot_table)), -1, np.int8)]),
                 kind_table=_id_table(kinds),
                 activity_table=_id_table(dict.fromkeys(activity_names, 1)),
             )
@@ -161,6 +162,7 @@ class _PlaneInfo(NamedTuple):
     activity_ids: np.ndarray  # the metadata ids of activities, sorted
     ref_texts: np.ndarray  # by stat metadata id: its name's interned text once met, -1 before
     unused_ids: np.ndarray  # by a byte: whether it is the one-byte id of a stat no column takes
+    slot_of_byte: np.ndarray  # by a byte: slot_table's entry for that id, -1 past its end
     kind_table: np.ndarray | None  # by event metadata id: ALLOC, FREE or 0 (see _id_table)
     activity_table: np.ndarray | None  # by event metadata id: 1 for an activity, else 0
 

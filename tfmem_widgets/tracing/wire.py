@@ -214,7 +214,6 @@ def _stat_fields(buf, start, end):
     tag = buf[start + 2]
     if not ((stat_id < 0x80).all() and (tag < 0x80).all()):
         return _stat_fields_walked(buf, start, end)
-    stat_id = stat_id.astype(np.uint64)
     stat_field = (tag >> 3).astype(np.int8)
     wire = tag & 7
     del tag
@@ -257,6 +256,7 @@ def _stat_fields(buf, start, end):
     texts = dict(zip(is_text.tolist(), zip((at[is_text] + 1).tolist(), size.tolist())))
     redo = np.nonzero(~ok)[0]
     if len(redo):
+        stat_id = stat_id.astype(np.uint64)  # (one byte each, but where walked)
         stat_id[redo], stat_field[redo], stat_value[redo], more = _stat_fields_walked(buf, start[redo], end[redo])
         texts.update((int(redo[k]), place) for k, place in more.items())
     return stat_id, stat_field, stat_value, texts
@@ -386,7 +386,10 @@ def _decode_group(buf, starts, ends, offset_ps, after, kind, timestamp_ns, info,
 
     # Stat metadata id -> slot in a row (see events.SLOTS); unknown stats are skipped.
     table = info.slot_table
-    slots = np.where(stat_id < len(table), table[np.minimum(stat_id, len(table) - 1).astype(np.int64)], -1)
+    if stat_id.dtype == np.uint8:  # ids of one byte (as the profiler writes them): a table of 256
+        slots = info.slot_of_byte[stat_id]
+    else:
+        slots = np.where(stat_id < len(table), table[np.minimum(stat_id, len(table) - 1).astype(np.int64)], -1)
     del stat_id
 
     n = len(starts)

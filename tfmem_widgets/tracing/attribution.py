@@ -150,12 +150,15 @@ def _function_tables(lines) -> dict[int, _FunctionTable]:
 def _windows(lines):
     """lines: ((begin, end, meta), times) of several lines. Their activities and times each moved
     into a window of its own, one after the other (what is in one line is in its window, in the same
-    order): (begin, end, meta, times), concatenated."""
+    order): (begin, end, meta, times), concatenated; None where the windows would not fit in int64
+    (times of a damaged file)."""
     shift, out = 0, []
     for (begin, end, meta), times in lines:
         low = min(int(begin.min(initial=times.min())), int(times.min()))
         high = max(int(end.max(initial=times.max())), int(times.max()))
         moved = shift - low
+        if abs(moved) > 1 << 62 or shift + high - low + 1 > 1 << 62:
+            return None
         out.append((begin + moved, end + moved, meta, times + moved))
         shift += high - low + 1
     return tuple(np.concatenate(column) for column in zip(*out))
@@ -267,7 +270,7 @@ def name_unnamed_allocations(columns, lines, intern) -> None:
             if len(held) > 1:
                 windows = _windows([(parsed[number][0], times[mine]) for number, mine in held])
                 mine = np.concatenate([m for _, m in held])
-                found = _label_line(*windows, running_name[mine], context)
+                found = None if windows is None else _label_line(*windows, running_name[mine], context)
                 if found is not None:
                     labels[mine] = found
                     continue

@@ -10,9 +10,9 @@
    ratio), for four traces: the Keras fit above; a Keras fit of 500 steps; an eager loop of 200,000
    tf.fills (about 800,000 allocator events, each allocation named by the op activity around it); a
    million allocator events of a tf.function loop of 500,000 steps, each making and dropping one
-   tensor, on TensorFlow's real BFC allocator. The pool is rebuilt as a trace's map rebuilds it:
-   from the allocator's first allocation where nothing was in use before the trace (the loops),
-   else from the trace's own chunks (the Keras fits: the model's weights came first).
+   tensor, on TensorFlow's real BFC allocator. The pool is rebuilt as the trace's own map rebuilds
+   it (Trace.is_fresh, printed): from the allocator's first allocation where the trace began before
+   TensorFlow's runtime, else from the chunks the trace saw allocated.
 3. The memory map of the first 100,000 chunks of that trace is drawn (Agg) and timed.
 
 Each measurement runs in its own process, so one does not inflate another's memory.
@@ -51,7 +51,8 @@ def record_keras(workdir: Path, steps: int = 10) -> dict:
             model.fit(x, y, batch_size=64, epochs=1, verbose=0)    # {steps} steps
         path = __import__("glob").glob({folder!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
-                          "events": sum(len(t.events(a)) for a in t.allocators)}}))
+                          "events": sum(len(t.events(a)) for a in t.allocators),
+                          "fresh": t.is_fresh("bfc_cpu_allocator_for_gpu")}}))
     """))
 
 
@@ -109,7 +110,8 @@ def record_million(workdir: Path, steps: int) -> dict:
                 loop(tf.zeros((64,)))
         path = glob.glob({str(workdir / 'million')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
-                          "events": len(t.events("bfc_cpu_allocator_for_gpu"))}}))
+                          "events": len(t.events("bfc_cpu_allocator_for_gpu")),
+                          "fresh": t.is_fresh("bfc_cpu_allocator_for_gpu")}}))
     """)
 
 
@@ -126,11 +128,18 @@ def record_eager(workdir: Path, steps: int) -> dict:
                 tf.fill((64,), 1.0)
         path = glob.glob({str(workdir / 'eager')!r} + "/*/plugins/profile/*/*.xplane.pb")[0]
         print(json.dumps({{"path": path, "bytes": __import__("os").path.getsize(path),
-                          "events": len(t.events("bfc_cpu_allocator_for_gpu"))}}))
+                          "events": len(t.events("bfc_cpu_allocator_for_gpu")),
+                          "fresh": t.is_fresh("bfc_cpu_allocator_for_gpu")}}))
     """)
 
 
-def time_million(path: str, rounds: int = 3) -> dict:
+def _pool(trace: dict) -> str:
+    return "pool rebuilt from the allocator's first allocation" if trace["fresh"] else "pool rebuilt from mid-run"
+
+
+def time_million(path: str, rounds: int = 3, fresh: bool = False) -> dict:
+    """Reading `path` and rebuilding the pool at its end, against XProf's conversion. fresh: as the
+    trace's own map says (Trace.is_fresh: traced from the runtime's start, nothing in use before)."""
     return run(f"""
         import json, statistics, time
         import tensorflow
@@ -141,8 +150,7 @@ def time_million(path: str, rounds: int = 3) -> dict:
         for _ in range({rounds}):
             start = time.perf_counter()
             events = read_xplane_file({path!r})["bfc_cpu_allocator_for_gpu"]
-            # (as Trace.map: from the first allocation only where nothing was in use before the trace)
-            Replay(events, fresh=events.in_use_before() == 0).run_to(len(events) - 1).snapshot()
+            Replay(events, fresh={fresh!r}).run_to(len(events) - 1).snapshot()  # as the trace's map
             ours.append(time.perf_counter() - start)
             del events
             start = time.perf_counter()
@@ -206,28 +214,30 @@ def measure_all(workdir: Path, steps: int, reading_only: bool = False) -> None:
               f"= {memory['extra_bytes'] / keras['bytes']:.2f} x the file (the reader's first use in a process: "
               f"{memory['first_use_bytes'] / mb:.1f} MiB once)", flush=True)
 
-    timing = time_million(keras["path"], rounds=41)  # milliseconds each: more rounds, for a steady median
+    # milliseconds each: more rounds, for a steady median
+    timing = time_million(keras["path"], rounds=41, fresh=keras["fresh"])
     print(f"Keras fit, 10 steps: read + rebuild {timing['ours'] * 1000:.2f} ms; XProf memory_profile conversion "
-          f"{timing['xprof'] * 1000:.2f} ms; ratio {timing['ours'] / timing['xprof']:.2f} (medians of 41, alternating)",
+          f"{timing['xprof'] * 1000:.2f} ms; ratio {timing['ours'] / timing['xprof']:.2f} "
+          f"(medians of 41, alternating; {_pool(keras)})",
           flush=True)
 
     long = record_keras(workdir, 500)
-    timing = time_million(long["path"])
+    timing = time_million(long["path"], fresh=long["fresh"])
     print(f"Keras fit, 500 steps, {long['events']:,} allocator events (xplane.pb {long['bytes'] / mb:.0f} MiB): "
           f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
-          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
+          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating; {_pool(long)})", flush=True)
 
     eager = record_eager(workdir, steps * 2 // 5)
-    timing = time_million(eager["path"])
+    timing = time_million(eager["path"], fresh=eager["fresh"])
     print(f"eager loop, {eager['events']:,} allocator events (xplane.pb {eager['bytes'] / mb:.0f} MiB): "
           f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
-          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
+          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating; {_pool(eager)})", flush=True)
 
     million = record_million(workdir, steps)
-    timing = time_million(million["path"])
+    timing = time_million(million["path"], fresh=million["fresh"])
     print(f"tf.function loop, {million['events']:,} allocator events (xplane.pb {million['bytes'] / mb:.0f} MiB): "
           f"read + rebuild {timing['ours']:.2f} s; XProf memory_profile conversion {timing['xprof']:.2f} s; "
-          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating)", flush=True)
+          f"ratio {timing['ours'] / timing['xprof']:.2f} (medians of 3, alternating; {_pool(million)})", flush=True)
 
     if reading_only:
         return

@@ -78,6 +78,11 @@ def test_a_trace_from_mid_run_replays_the_same_at_once_and_event_by_event(lab_se
     for _ in range(len(e)):
         stepped.step()
     assert whole.in_use == stepped.in_use and whole.regions == stepped.regions == []
+    mixed = Replay(e, fresh=False)
+    for _ in range(3):
+        mixed.step()
+    assert mixed.run_to(len(e) // 2).run_to(len(e) - 1).in_use == whole.in_use
+    assert mixed.before_trace_bytes == whole.before_trace_bytes
     assert whole.before_trace_bytes == stepped.before_trace_bytes == e.in_use_before() - 512 * 1024
     assert t.map().before_trace_bytes == whole.before_trace_bytes
     assert t.map().in_use_bytes == whole.before_trace_bytes + 1024 * 1024  # and y's 1 MiB

@@ -199,3 +199,17 @@ def test_allocations_on_threads_whose_activities_all_nest_are_named_the_same_rea
     labels = [events.texts[i] for i, kind in zip(events.op, events.kind) if kind > 0]
     assert labels == ["(XLA program in step)", "(XLA program in step)", "(in step)", "(in B)", "(in other)", "",
                       "(in P)"]
+
+
+def test_threads_go_into_time_windows_only_where_their_times_stay_there():
+    from tfmem_widgets.tracing.attribution import _windows
+
+    nested = (np.array([10, 20]), np.array([15, 30]), np.array([1, 2]))
+    other = (np.array([5]), np.array([9]), np.array([3]))
+    empty = (np.zeros(0, np.int64),) * 3  # a thread with allocations and no activity
+    begin, end, meta, times = _windows([(nested, np.array([12])), (empty, np.array([7])), (other, np.array([6]))])
+    assert begin.tolist() == [0, 10, 22] and end.tolist() == [5, 20, 26] and meta.tolist() == [1, 2, 3]
+    assert times.tolist() == [2, 21, 23]  # each thread after the last, its order kept
+    damaged = (np.array([10]), np.array([4]), np.array([1]))  # ends before it begins
+    assert _windows([(nested, np.array([12])), (damaged, np.array([11]))]) is None
+    assert _windows([(nested, np.array([12])), (other, np.array([-(1 << 62) - 5]))]) is None

@@ -150,10 +150,12 @@ def _function_tables(lines) -> dict[int, _FunctionTable]:
 def _windows(lines):
     """lines: ((begin, end, meta), times) of several lines. Their activities and times each moved
     into a window of its own, one after the other (what is in one line is in its window, in the same
-    order): (begin, end, meta, times), concatenated; None where the windows would not fit in int64
-    (times of a damaged file)."""
+    order): (begin, end, meta, times), concatenated; None where a damaged file's times would not
+    stay in their windows (an activity ending before it begins) or the windows not fit in int64."""
     shift, out = 0, []
     for (begin, end, meta), times in lines:
+        if (end < begin).any():
+            return None
         low = min(int(begin.min(initial=times.min())), int(times.min()))
         high = max(int(end.max(initial=times.max())), int(times.max()))
         moved = shift - low
@@ -177,7 +179,7 @@ def _label_line(begin, end, meta, times, running_name, context) -> np.ndarray | 
     if parent is None:
         return None
     # Per metadata id, looked up for all activities at once.
-    # Ids are numbered among the line's own, in their order (no table as long as the largest id).
+    # Ids are numbered among the lines' own, in their order (no table as long as the largest id).
     ids = np.asarray(_ids(meta), dtype=np.int64)
     for mid in ids.tolist():
         if mid not in known:

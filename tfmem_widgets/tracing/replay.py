@@ -178,7 +178,8 @@ class Replay:
         free one, a free beside free neighbours in a known region) done here in line: a call of the
         full rules per event would cost more than the move itself. The free-chunk bookkeeping
         (_add_free, _remove_free) is written out here too, for the same reason, without the count
-        and heap of free sizes: only largest_free reads them, and rebuilds them after a run_to."""
+        and heap of free sizes: only largest_free reads them, and rebuilds them after a run_to. A replay
+        from mid-run (fresh False) keeps its in-use chunks alone: no region or free chunk is known there."""
         kinds, addresses, sizes, requesteds = self._columns()
         free, free_end, in_use = self._free, self._free_end, self.in_use
         region_starts, region_ends = self._region_starts, self._region_ends
@@ -195,14 +196,18 @@ class Replay:
             # A trace from mid-run makes no region (the pool's layout before it is unknown) and so no
             # free chunk: its chunks are the ones it allocated, and what it frees of the rest comes
             # off the bytes from before (_allocate and _deallocate, reduced to what they do then).
-            before = 0
-            for i, kind, address, size in zip(range(first, last), kinds[first:last], addresses[first:last],
-                                              sizes[first:last]):
-                if kind == ALLOC:
-                    in_use[address] = (size, i)
-                elif in_use.pop(address, None) is None:
-                    before += size
-            self.before_trace_bytes -= before
+            try:
+                for i, kind, address, size in zip(range(first, last), kinds[first:last], addresses[first:last],
+                                                  sizes[first:last]):
+                    if kind == ALLOC:
+                        in_use[address] = (size, i)
+                    elif in_use.pop(address, None) is None:
+                        self.before_trace_bytes -= size
+            except BaseException:  # (an interrupt: which event it came in is not known) back to the start
+                self.in_use.clear()
+                self.before_trace_bytes = self.events.in_use_before() if len(self.events) else 0
+                self.position = -1
+                raise
             self.position = index
             return self
         try:

@@ -156,8 +156,7 @@ def _windows(lines):
     for (begin, end, meta), times in lines:
         if (end < begin).any():
             return None
-        low = min(int(begin.min(initial=times.min())), int(times.min()))
-        high = max(int(end.max(initial=times.max())), int(times.max()))
+        low, high = int(begin.min(initial=times.min())), int(end.max(initial=times.max()))  # (times are in)
         moved = shift - low
         if abs(moved) > 1 << 62 or shift + high - low + 1 > 1 << 62:
             return None

@@ -313,6 +313,58 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     assert then != UP and search.planned_failure is None
 
 
+def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_there_is_room(monkeypatch, tmp_path):
+    # The planning process is the seam, as above; probe_one.pair stands for two processes side by side
+    # (tests/test_warm_probes.py runs them): where it runs the pair, the plans stop without a plan past
+    # the answer (the probe past it is the check), and the outcome follows both probes.
+    from types import SimpleNamespace
+
+    import tfmem_widgets.fit.fresh as fresh
+    from tfmem_widgets.fit.plan_search import BETWEEN, DONE, UP, PlanSearch, plan_first
+    from tfmem_widgets.fit.progress import LineProgress
+
+    def searched(edge, room=True):
+        found = PlanSearch(117_000, 160_000, [], 30.0, True, 2000 * 1_000_000, "logical device limit")
+        codes = []
+
+        def planning(code, **kwargs):
+            codes.append(code)
+            return SimpleNamespace(values={"found": found})
+
+        monkeypatch.setattr(fresh, "run_checked", planning)
+        search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
+        single, pairs = [], []
+
+        def probe(batch):
+            probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
+            search.probes.append(probe)
+            return probe
+
+        def probe_one(batch):
+            single.append(batch)
+            return probe(batch)
+
+        def pair(first, second):
+            if not room:
+                return None
+            pairs.append((first, second))
+            return [probe(first), probe(second)]
+
+        probe_one.path, probe_one.pair = tmp_path / "functions.pickle", pair
+        then = plan_first(search, probe_one, LineProgress(quiet=True), auto=False)
+        return then, single, pairs, codes[0], search
+
+    then, single, pairs, code, search = searched(118_000)
+    assert (then, single, pairs, search.edge) == (DONE, [], [(117_000, 119_340)], (117_000, 119_340))
+    assert "closing_plan=False" in code
+    then, single, pairs, _, _ = searched(200_000)  # both trained: the plans were low, the probes go up
+    assert (then, single, pairs) == (UP, [], [(117_000, 119_340)])
+    then, single, pairs, _, search = searched(110_000)  # the answer failed: the probes step down from it
+    assert (then, pairs, single, search.edge) == (BETWEEN, [(117_000, 119_340)], [112_320, 102_960], (102_960, 112_320))
+    then, single, pairs, _, _ = searched(118_000, room=False)  # the card got fuller meanwhile: one after the other
+    assert (then, single, pairs) == (DONE, [117_000, 119_340], [])
+
+
 def _model_without_xla():
     from types import SimpleNamespace
 

@@ -86,6 +86,89 @@ def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_do
     assert not _children() and not warm.path.exists()
 
 
+def _meeting(folder: str):
+    """Functions whose build_model waits (up to 60 s) until two probes' processes have begun: two probes
+    one after the other cannot both pass it, so a pair that trains ran side by side."""
+    def build_model():
+        import os
+        import time as clock
+        from pathlib import Path
+
+        import keras
+
+        Path(folder, str(os.getpid())).write_text("")
+        deadline = clock.monotonic() + 60
+        while len(list(Path(folder).iterdir())) < 2:
+            if clock.monotonic() > deadline:
+                raise RuntimeError("the other probe never began")
+            clock.sleep(0.05)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+        model.compile("adam", "mse", jit_compile=True)
+        return model
+
+    def make_batch(n):
+        import numpy as np
+
+        return np.ones((n, 64), "float32"), np.ones((n, 1), "float32")
+
+    return cloudpickle.dumps((build_model, make_batch))
+
+
+def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_path):
+    met = tmp_path / "met"
+    met.mkdir()
+    warm = WarmProbes(_meeting(str(met)), 2, SETUP, {}, 240, ready=2)
+    try:
+        small, large = warm.probe_pair(64, 512)
+    finally:
+        warm.close()
+    assert (small.batch, large.batch) == (64, 512) and small.fits and large.fits
+    assert len(list(met.iterdir())) == 2  # two processes, each met the other before building its model
+    assert small.limit_bytes == large.limit_bytes == 64 << 20 and small.peak_bytes < large.peak_bytes
+    assert not _children() and not warm.path.exists()
+
+
+def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room_for_both(monkeypatch):
+    # The driver's reading is the seam (no GPU here): read_gpus as NVML would answer on a 80 GiB card.
+    import psutil as host
+
+    import tfmem_widgets.tf.nvml as nvml
+    from tfmem_widgets.errors import NvmlUnavailable
+    from tfmem_widgets.fit import warm
+    from tfmem_widgets.tf.nvml import GpuMemory
+
+    GiB = 1 << 30
+
+    def card(free):
+        return [GpuMemory(0, "H100", "GPU-0", 80 * GiB, 80 * GiB - free, free, ())]
+
+    def no_driver():
+        raise NvmlUnavailable("NVML not available: no NVIDIA driver answered")
+
+    monkeypatch.setattr(warm.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(nvml, "read_gpus", no_driver)
+    assert "each under its 128 MB lab limit, with" in warm.room_for_two({"lab_mb": 128}, {})
+    assert warm.room_for_two({}, {}) is None  # no limit and no GPU: nothing to probe side by side
+    monkeypatch.setattr(nvml, "read_gpus", lambda: card(70 * GiB))
+    assert warm.room_for_two({"lab_mb": 128}, {}) is None  # a GPU the lab probes may use, no limit on it
+    assert warm.room_for_two({"lab_mb": 128, "gpus": []}, {}) is not None  # the GPU hidden from them
+    assert warm.room_for_two({"growth": True}, {}) is None  # each fresh process would take what it finds
+    assert warm.room_for_two({"limit_mb": 2000}, {}) == "each under its 2000 MB limit, where GPU 0 had 70.00 GiB free"
+    assert warm.room_for_two({"limit_mb": {0: 2000}}, {}) is not None
+    assert warm.room_for_two({"limit_mb": {1: 2000}}, {}) is None  # GPU 0 has no limit of its own
+    assert warm.room_for_two({"limit_mb": 2000}, {"CUDA_VISIBLE_DEVICES": "1"}) is None  # GPUs this process can't tell
+    monkeypatch.setattr(nvml, "read_gpus", lambda: card(40 * GiB))
+    assert warm.room_for_two({"limit_mb": 19000}, {}) is None  # 2 x (19000 MB + 2 GiB) is more than 40 GiB free
+    assert warm.room_for_two({"limit_mb": 19000}, {}, now=False) is not None  # allowed, once the card is freer
+    assert warm.room_for_two({"limit_mb": 16000}, {}) is not None
+    monkeypatch.setattr(host, "virtual_memory", lambda: type("Memory", (), {"available": 3 * GiB})())
+    assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # not the host's memory for two processes
+    monkeypatch.setattr(warm.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(host, "virtual_memory", lambda: type("Memory", (), {"available": 60 * GiB})())
+    assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # two cores: two processes gain nothing
+
+
 def test_closing_a_search_ends_its_waiting_process_and_a_probe_past_its_timeout_ends_with_it():
     warm = WarmProbes(_functions(), 2, SETUP, {}, 60)
     try:

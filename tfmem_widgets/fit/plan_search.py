@@ -46,10 +46,14 @@ class PlanSearch:
 
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
-                          resolution: float = 0.02, max_plans: int = 14, held=lambda plan: ()) -> PlanSearch:
+                          resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
+                          closing_plan: bool = True) -> PlanSearch:
     """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
     device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
-    holds besides the step at that plan's batch (the fit's data where it sits on the device)."""
+    holds besides the step at that plan's batch (the fit's data where it sits on the device).
+    closing_plan=False: no plan past the answer where the plans between the two that bracket the edge
+    say it fails there (a probe past the answer, run beside the answer's, is the check): `failure` is
+    then the bracket's upper plan, and a note says where the plans between put the edge."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -77,7 +81,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     needs = _least_limits(held)
     lo, hi = (low, None) if fits(low) else (None, low)
     if lo is not None and high > low:
-        aim = min(high, max(low + 1, 2 * low, 32))
+        aim = min(high, max(low + 1, 2 * low, 512))
         while len(plans) < max_plans:
             if fits(aim):
                 lo = aim
@@ -86,6 +90,12 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
             else:
                 hi = aim
             if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
+                break
+            past = lo + max(1, math.ceil(lo * resolution))
+            between = planned_between(plans[lo], plans[hi], past) if hi in plans and not closing_plan else None
+            if between is not None and not between.fits(limit, held(between)):
+                notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
+                             "the probe past the answer is the check")
                 break
             aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit, held(p)))
             if aim is None:
@@ -237,7 +247,7 @@ def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, h
 
 
 def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
-                      xla_only: bool = False) -> PlanSearch:
+                      xla_only: bool = False, closing_plan: bool = True) -> PlanSearch:
     """In a fresh process set up like the probes: build the model the user's way, then plan. xla_only
     (method="auto"): a model whose step runs without XLA is not planned at all, only said to be so
     (its plans would be estimates the search does not use; each costs a compile)."""
@@ -254,7 +264,8 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     sample = make_batch(min(low, 8))
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
-                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes))
+                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes),
+                                  closing_plan=closing_plan)
     if share:
         found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
                            f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")
@@ -288,7 +299,8 @@ def data_on_device(make_batch, model, rows: int = 256) -> float:
 
 PLAN_CODE = """
 from tfmem_widgets.fit.plan_search import search_in_process
-found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only})
+found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only},
+                          closing_plan={closing_plan})
 """
 
 
@@ -306,8 +318,9 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
 
     _, setup, env, timeout = search._run
     started = time.perf_counter()
+    pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
     code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
-                            resolution=search.resolution, max_plans=14, xla_only=auto)
+                            resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None)
     try:
         run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
                           remember_oom=False)
@@ -337,10 +350,22 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
         progress.probed(len(search.probes), done)
         return done.fits
 
+    proven = found.proven_failure
+    past = min(search.high, answer + step)
+    if answer < search.high and not (proven is not None and answer < proven <= answer + step) and pair is not None:
+        for count, batch in enumerate((answer, past), len(search.probes) + 1):
+            progress.probing(count, batch)
+        both = pair(answer, past)  # side by side, where the machine has room for both (else None)
+        if both is not None:
+            for count, done in enumerate(both, len(search.probes) - 1):
+                progress.probed(count, done)
+            if both[0].fits:
+                return UP if both[1].fits else DONE
+            return _step_down(search, answer, step, probe)
+
     if probe(answer):
         if answer >= search.high:
             return DONE
-        proven = found.proven_failure
         if proven is not None and answer < proven <= answer + step:
             # no probe past the answer: the plan there needs more than the limit by its bytes alone
             search.planned_failure = proven
@@ -348,7 +373,12 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
                                 f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
                                 "takes less than its plan)")
             return DONE
-        return UP if probe(min(search.high, answer + step)) else DONE  # trained too: the plans were low
+        return UP if probe(past) else DONE  # trained too: the plans were low
+    return _step_down(search, answer, step, probe)
+
+
+def _step_down(search, answer: int, step: int, probe) -> str:
+    """The answer did not train: probe below it until a batch does."""
     # The plans were high (in a pool that grows, where its regions fall and the fit's own transients
     # decide): step down from the answer, farther each time, until a batch trains; the probes close in
     # between it and the smallest failure (measured in lab mode: plans 4-8% high near the edge).

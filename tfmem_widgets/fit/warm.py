@@ -8,12 +8,17 @@ in a cold probe, and a waiting process holds nothing on the card). When the batc
 process goes on exactly as a cold probe does, from its setup on; meanwhile the next one starts.
 The search's plans (fit/plan_search.py) run while the first one imports.
 
+Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
+where the machine has room for both (``room_for_two``): a plan search's answer and the batch just
+past it, one probe's time instead of two.
+
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -22,7 +27,17 @@ import time
 import uuid
 from pathlib import Path
 
+from ..units import format_bytes
 from .probe import Probe, probe_outcome, ran_past
+
+# What a TensorFlow process takes beside its allocator's limit: on a GPU its CUDA context and cuBLAS'
+# and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
+# its allocator's alone). Two probes side by side need their two limits and this twice.
+BESIDES_THE_POOL = 2 << 30
+# Two TensorFlow processes share the cores: on 2 (this project's small machine, lab mode) a pair of
+# probes took 5.3 s each where one alone took 4.2 s, and the second waiting process slowed the plans'
+# process by a second: no gain where the plans' answer fails and the probe past it is wasted.
+MIN_CORES = 4
 
 WARM_CODE = """
 from pathlib import Path
@@ -61,12 +76,19 @@ class _Waiting:
         if self.closed.is_set():  # closed before its process had started: it ends now
             _kill_group(process)
 
-    def probe(self, batch: int, timeout: float | None) -> Probe:
+    def begin(self, batch: int) -> float:
+        """Hand the process its batch; returns when that was (the probe's seconds count from it)."""
         started = time.perf_counter()
         written = self.start.with_name(self.start.name + ".part")
         written.write_text(str(batch))
         written.replace(self.start)  # whole, at once: the child never reads half a number
-        self.thread.join(timeout)
+        return started
+
+    def probe(self, batch: int, timeout: float | None, started: float | None = None) -> Probe:
+        """The probe of `batch` (begun already where `started` is given), once its process has ended."""
+        if started is None:
+            started = self.begin(batch)
+        self.thread.join(None if timeout is None else max(0.0, timeout - (time.perf_counter() - started)))
         if self.thread.is_alive():
             self.kill()
             raise ran_past(batch, timeout)
@@ -92,40 +114,111 @@ class _Waiting:
         self.thread.join(10)
 
 
+def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str | None:
+    """Where two probes can run side by side, each in a process of its own under its own limit, how
+    (in words, for the search's notes); None where they cannot. Lab mode with no GPU for the probes:
+    each under its lab limit, where the host has memory for both. A GPU: only under a limit set
+    (limit_mb, or split's sizes), where every GPU the probes see has both limits free and more, by
+    the driver's reading (NVML); a fresh process without a limit takes what it finds free, so two would
+    split the card. Never on fewer than MIN_CORES cores. now=False: whether the setup allows it at
+    all, the free memory left unread."""
+    import psutil
+
+    from ..tf.nvml import NvmlUnavailable, nvml_index_for_cuda_ordinal, read_gpus
+
+    setup, env = setup or {}, env or {}
+    if "CUDA_VISIBLE_DEVICES" in env or (os.cpu_count() or 1) < MIN_CORES:
+        return None  # the probes' GPUs are not this process's to read; too few cores for two
+    try:
+        gpus = read_gpus()
+    except NvmlUnavailable:
+        gpus = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(gpus) if visible is None else len([e for e in visible.split(",") if e.strip()])
+    ordinals = list(setup.get("gpus", range(count))) if gpus else []
+    host = psutil.virtual_memory().available
+    if not ordinals:
+        if not setup.get("lab_mb"):
+            return None
+        need = 2 * ((setup["lab_mb"] << 20) + BESIDES_THE_POOL)
+        if now and host < need:
+            return None
+        return (f"each under its {setup['lab_mb']} MB lab limit, with {format_bytes(host)} of the host's "
+                "memory available")
+    limit, split = setup.get("limit_mb"), setup.get("split")
+    if limit is None and isinstance(split, (list, tuple)):
+        limit = sum(split)
+    if limit is None or host < 2 * BESIDES_THE_POOL:
+        return None
+    free = []
+    for ordinal in ordinals:
+        mb = limit.get(ordinal) if isinstance(limit, dict) else limit
+        index = nvml_index_for_cuda_ordinal(ordinal, gpus)
+        if mb is None or index is None:
+            return None
+        if now and gpus[index].free_bytes < 2 * ((mb << 20) + BESIDES_THE_POOL):
+            return None
+        free.append(f"GPU {ordinal} had {format_bytes(gpus[index].free_bytes)} free")
+    return f"each under its {_said(limit)} limit, where " + ", ".join(free)
+
+
+def _said(limit) -> str:
+    if isinstance(limit, dict):
+        return ", ".join(f"GPU {k}: {v} MB" for k, v in sorted(limit.items()))
+    return f"{limit} MB"
+
+
 class WarmProbes:
     """probe(batch): one probe, in a process started ahead; the next one starts meanwhile.
+    probe_pair(a, b): two probes side by side, each in a process of its own. ready: how many
+    processes wait at once (2 where a pair is to come, so both are imported when it does).
     close(): every process these probes started ended (waiting or probing), the functions' file
     removed. path: the pickled functions (build_model, make_batch), for a process of the same setup."""
 
-    def __init__(self, functions: bytes, steps: int, setup: dict | None, env: dict, timeout: float | None):
+    def __init__(self, functions: bytes, steps: int, setup: dict | None, env: dict, timeout: float | None,
+                 ready: int = 1):
         self._work = tempfile.mkdtemp(prefix="tfmem-batch-")
-        self._current: _Waiting | None = None
-        self._ready: _Waiting | None = None
+        self._current: list[_Waiting] = []
+        self._ready: list[_Waiting] = []
         try:
             self.path = Path(self._work) / "functions.pickle"
             self.path.write_bytes(functions)
             self._args = (self.path, steps, setup, env)
             self._timeout = timeout
-            self._ready = _Waiting(*self._args)
+            for _ in range(ready):
+                self._ready.append(_Waiting(*self._args))
         except BaseException:
             self.close()
             raise
 
+    def _take(self, count: int) -> list[_Waiting]:
+        """`count` processes to probe in (the waiting ones first), and one started to wait for the next probe."""
+        taken = [self._ready.pop(0) if self._ready else _Waiting(*self._args) for _ in range(count)]
+        self._current = taken
+        if not self._ready:
+            self._ready.append(_Waiting(*self._args))  # imports while these probe
+        return taken
+
     def probe(self, batch: int) -> Probe:
-        current = self._current = self._ready or _Waiting(*self._args)
-        self._ready = None
-        self._ready = _Waiting(*self._args)  # imports while this one probes
+        return self.probe_pair(batch)[0]
+
+    def probe_pair(self, *batches: int) -> list[Probe]:
+        """Each batch probed in a process of its own, all at once (one, or two side by side); the
+        probes in order of `batches`. An error in one (or Ctrl-C) ends the others too."""
+        processes = self._take(len(batches))
         try:
-            return current.probe(batch, self._timeout)
-        except BaseException:  # Ctrl-C or an error here: the probe in flight ends with it
-            current.kill()
+            started = [process.begin(batch) for process, batch in zip(processes, batches)]
+            return [process.probe(batch, self._timeout, begun)
+                    for process, batch, begun in zip(processes, batches, started)]
+        except BaseException:  # Ctrl-C or an error here: the probes in flight end with it
+            for process in processes:
+                process.kill()
             raise
         finally:
-            self._current = None
+            self._current = []
 
     def close(self) -> None:
-        for waiting in (self._current, self._ready):
-            if waiting is not None:
-                waiting.kill()
-        self._current = self._ready = None
+        for waiting in (*self._current, *self._ready):
+            waiting.kill()
+        self._current, self._ready = [], []
         shutil.rmtree(self._work, ignore_errors=True)

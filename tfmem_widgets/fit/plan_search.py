@@ -12,7 +12,10 @@ aimed there (in lab mode 7 compiles where the lines alone took 10). A batch fits
 allocations finding room).
 
 ``max_batch_size(method="plan")`` runs this in one fresh process set up like the probes, then
-confirms the answer with a probe at it and one just past it (``fit/search.py``).
+confirms the answer with a probe at it and one just past it (``fit/search.py``): side by side, each
+in a process of its own, where the machine has room for both (``warm.room_for_two``); the plans then
+stop without a plan just past the answer where the plans between say it fails there, the probe past
+it being the check (one compile fewer).
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     needs = _least_limits(held)
     lo, hi = (low, None) if fits(low) else (None, low)
     if lo is not None and high > low:
+        # The second plan at 512 rows or more: at a few rows the step's fixed bytes rule, and a line from
+        # there aims short (in lab mode 1, 32, 512, then the edge; 1, 512, then the edge as well).
         aim = min(high, max(low + 1, 2 * low, 512))
         while len(plans) < max_plans:
             if fits(aim):

@@ -430,8 +430,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                  10 s a refusal) for minutes instead of raising.
 
     method:      "plan": plan the step at a few batches in one fresh process (XLA's buffer assignment, seconds
-                 each), then confirm the answer with a probe at it and one just past it (more probes only
-                 where they disagree); "probe": probes only; "auto" (default): plans where the model's step
+                 each), then confirm the answer with a probe at it and one just past it (side by side where
+                 each probe has a limit of its own and the machine room for both; more probes only where
+                 they disagree); "probe": probes only; "auto" (default): plans where the model's step
                  is an XLA program (jit_compile), probes otherwise (a plan of a step without XLA is an estimate).
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.

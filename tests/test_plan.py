@@ -281,7 +281,7 @@ print(json.dumps(dict(rows=rows, batch=found.batch, failure=found.failure, fits=
 def test_a_plan_between_two_of_the_same_layout_is_the_real_one_and_aims_the_search():
     # A step's buffers are linear in the batch while XLA lays the program out the same way: the plan
     # between two planned batches equals the one compiled there (to the allocator's 256-byte steps). The search aims by such
-    # plans between the two that bracket the edge, so it compiles few: measured 7 where aiming by the
+    # plans between the two that bracket the edge, so it compiles few: measured 6 where aiming by the
     # line through the two plans' least limits compiled 10.
     out = run_fresh(BETWEEN, timeout=300)
     for row in out["rows"]:

@@ -7,7 +7,7 @@ on either side (regula falsi), with a halving step when the line keeps missing. 
 the same layout bracket the edge, the plans between them (``planned_between``: each buffer on the
 line through its bytes in the two, exact while XLA lays the program out the same way) say where the
 edge falls, the pool's regions and no-split rule included, without a compile: the next plan is
-aimed there (in lab mode 7 compiles where the lines alone took 10). A batch fits when its plan does
+aimed there (in lab mode 6 compiles where the lines alone took 10). A batch fits when its plan does
 (``StepPlan.fits``: the peak within the limit and, where the pool grows, each of the step's
 allocations finding room).
 

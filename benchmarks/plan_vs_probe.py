@@ -148,6 +148,10 @@ def main() -> None:
         safe, failure = search.edge
         print(f"{method:<6} largest below every failure {safe:,}, smallest failure {failure:,}; "
               f"{len(search.plans)} plans, {len(search.probes)} probes; {found[method][1]:.1f} s")
+        if search.plans:
+            compiles = sum(p.trace_seconds + p.compile_seconds for p in search.plans)
+            print(f"       the planning process {search.plan_seconds:.1f} s, its compiles {compiles:.1f} s, at "
+                  + ", ".join(f"{p.batch_size:,}" for p in search.plans))
     ratio = found["plan"][1] / found["probe"][1]
     same = abs(found["plan"][0].edge[0] - found["probe"][0].edge[0]) <= max(1, found["probe"][0].edge[0] * 0.02)
     print(f"plan / probe time: x{ratio:.2f}; the same edge within the 2% resolution: {same}")

@@ -48,15 +48,22 @@ class PlanSearch:
     proven_bytes: int | None = None
 
 
+FIRST_PLAN = 512  # the first plan's batch (or `low`, where that is more): at a few rows the step's fixed bytes rule
+
+
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
                           resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
                           closing_plan: bool = True) -> PlanSearch:
     """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
     device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
     holds besides the step at that plan's batch (the fit's data where it sits on the device).
+    The first plan is at FIRST_PLAN rows (`low` where more, or where that one does not fit); a batch
+    below a plan that fits is taken to fit (a step's bytes grow with the batch).
     closing_plan=False: no plan past the answer where the plans between the two that bracket the edge
     say it fails there (a probe past the answer, run beside the answer's, is the check): `failure` is
-    then the bracket's upper plan, and a note says where the plans between put the edge."""
+    then the bracket's upper plan, and a note says where the plans between put the edge. The answer is
+    always a plan's: across a bracket of up to twice its batch the plans between missed the edge by
+    1-10% in lab mode (the step's buffers are not linear that far), so they aim the next plan only."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -70,7 +77,10 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 return None
         return plans[batch]
 
-    first = at(low)
+    start = min(high, max(low, FIRST_PLAN))
+    first = at(start)
+    if first is None and start > low:
+        start, first = low, at(low)
     if first is None:
         raise SetupError(notes[-1] if notes else "plan: the step could not be planned.")
     limit = first.limit_bytes if limit_bytes is None else limit_bytes
@@ -81,39 +91,71 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
         planned = at(batch)
         return planned is not None and planned.fits(limit, held(planned))
 
+    def step(batch: int) -> int:
+        return max(1, math.ceil(batch * resolution))
+
     needs = _least_limits(held)
-    lo, hi = (low, None) if fits(low) else (None, low)
-    if lo is not None and high > low:
-        # The second plan at 512 rows or more: at a few rows the step's fixed bytes rule, and a line from
-        # there aims short (in lab mode 1, 32, 512, then the edge; 1, 512, then the edge as well).
-        aim = min(high, max(low + 1, 2 * low, 512))
-        while len(plans) < max_plans:
-            if fits(aim):
-                lo = aim
-                if aim >= high:
-                    break
-            else:
-                hi = aim
-            if hi is not None and hi - lo <= max(1, math.ceil(lo * resolution)):
+    lo, hi = (start, None) if fits(start) else (None, start)
+    if lo is None and start > low:
+        lo, hi = (low, start) if fits(low) else (None, low)
+    aim = None
+    if lo is not None and hi is None and lo < high:
+        aim = _aim_from_resident(plans[lo], limit, high, needs)
+    elif lo is not None and hi is not None and hi - lo > step(lo):
+        aim = _next_aim(plans, lo, hi, limit, high, need=needs)
+    while aim is not None and len(plans) < max_plans:
+        if fits(aim):
+            lo = aim
+            if aim >= high:
                 break
-            past = lo + max(1, math.ceil(lo * resolution))
-            between = planned_between(plans[lo], plans[hi], past) if hi in plans and not closing_plan else None
-            if between is not None and not between.fits(limit, held(between)):
-                notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
-                             "the probe past the answer is the check")
-                break
-            aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit, held(p)))
-            if aim is None:
-                aim = _next_aim(plans, lo, hi, limit, high, need=needs)
+        else:
+            hi = aim
+        if hi is not None and hi - lo <= step(lo):
+            break
+        past = lo + step(lo)
+        between = planned_between(plans[lo], plans[hi], past) if hi in plans and not closing_plan else None
+        if between is not None and not between.fits(limit, held(between)):
+            notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
+                         "the probe past the answer is the check")
+            break
+        aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit, held(p)))
+        if aim is None:
+            aim = _next_aim(plans, lo, hi, limit, high, need=needs)
     seconds = time.perf_counter() - started
-    found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds, first.jit_compile,
-                       limit, first.limit_source if limit_bytes is None else "given", notes)
+    found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds,
+                       first.jit_compile, limit, first.limit_source if limit_bytes is None else "given", notes)
     failing = plans.get(hi) if hi is not None else None
     if failing is not None and failing.same_program_anywhere and not failing.estimate:
         need = failing.peak_bytes + sum(held(failing))
         if need > limit:
             found.proven_failure, found.proven_bytes = hi, need
     return found
+
+
+def _aim_from_resident(first: StepPlan, limit: int, high: int, need) -> int:
+    """After one plan, which fits: where the line from the model's resident bytes at batch 0 through the
+    plan's least limit meets `limit`, at least twice its batch. The line's slope carries the step's
+    fixed bytes, so it aims short where those rule; the lines through two plans aim on from there."""
+    rise = need(first) - first.resident_bytes
+    batch = first.batch_size
+    aim = batch * (limit - first.resident_bytes) // rise if rise > 0 else 16 * batch
+    return min(high, max(2 * batch, int(aim)))
+
+
+def _edge_between(plans: dict[int, StepPlan], lo: int, hi: int, fits) -> int | None:
+    """The largest batch from lo (fits) to below hi (does not) whose plan between the two fits
+    (planned_between); None where the two cannot be drawn between."""
+    low, high = plans[lo], plans[hi]
+    if planned_between(low, high, lo) is None:
+        return None
+    ok, bad = lo, hi
+    while bad - ok > 1:
+        middle = (ok + bad) // 2
+        if fits(planned_between(low, high, middle)):
+            ok = middle
+        else:
+            bad = middle
+    return ok
 
 
 def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
@@ -195,16 +237,9 @@ def _aim_between(plans: dict[int, StepPlan], lo: int, hi: int | None, resolution
     the edge lies higher). None where the two cannot be drawn between, or the aim is planned already."""
     if lo not in plans or hi not in plans:  # (no bound above yet, or a batch XLA could not compile)
         return None
-    low, high = plans[lo], plans[hi]
-    if planned_between(low, high, lo) is None:
+    ok = _edge_between(plans, lo, hi, fits)
+    if ok is None:
         return None
-    ok, bad = lo, hi  # fits(ok) and not fits(bad), by the plans between
-    while bad - ok > 1:
-        middle = (ok + bad) // 2
-        if fits(planned_between(low, high, middle)):
-            ok = middle
-        else:
-            bad = middle
     # At least lo's step above lo, and a quarter of the gap below hi: where the plans between are
     # optimistic (a layout that changes between the two), each compile still closes the gap by a quarter.
     aim = min(max(ok, lo + max(1, math.ceil(lo * resolution))), hi - max(1, (hi - lo) // 4))
@@ -346,7 +381,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     search.notes.extend(found.notes)
     if found.batch is None:
         return FROM_LOW
-    answer = found.batch
+    answer = search.plan_answer = found.batch
     step = max(1, math.ceil(answer * search.resolution))
 
     def probe(batch: int) -> bool:

@@ -63,6 +63,7 @@ class BatchSearch(LinesText):
     plans: list = field(default_factory=list)  # the StepPlans a plan search made (method="plan")
     plan_seconds: float = 0.0  # the plan search's process, start to end
     planned_failure: int | None = None  # a batch past the answer whose plan needs more than the limit (not probed)
+    plan_answer: int | None = None  # the largest batch the plans fit (a plan's, or where the plans between put the edge)
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -284,7 +285,7 @@ class BatchSearch(LinesText):
             out.append(f"  peak = {format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example "
                        "(a line through the batches that trained)")
         if self.plans:
-            planned = max((p.batch_size for p in self.plans if p.fits()), default=None)
+            planned = self.plan_answer
             out.append(f"  planned first: {len(self.plans)} plans of the step (XLA's buffer assignment) in "
                        f"{self.plan_seconds:.0f} s, one fresh process; "
                        + (f"the largest batch they fit: {planned:,}" if planned else "none fits"))

@@ -51,6 +51,25 @@ def finish_fresh(proc: subprocess.Popen, timeout: float = 240) -> dict:
     return json.loads(lines[-1])
 
 
+def search_functions(width=1024, jit=False):
+    """A batch search's build_model and make_batch (Dense 512-width-width-1, Adam, mse): defined inside
+    this function, as in a notebook, so they travel to a probe's process by value."""
+    def build_model():
+        import keras
+
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(width, activation="relu"),
+                                  keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+        model.compile("adam", "mse", jit_compile=jit)
+        return model
+
+    def make_batch(n):
+        import numpy as np
+
+        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+
+    return build_model, make_batch
+
+
 # A probe's data against its plan (tests/test_plan.py in lab mode, tests/test_gpu.py on a GPU): the
 # search's Dense model and make_batch; data_on_device(make_batch, model) measures the share of its data the
 # device holds besides the step's batch.

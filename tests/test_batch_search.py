@@ -10,27 +10,11 @@ import psutil
 import pytest
 
 import tfmem_widgets
+from conftest import search_functions
 from tfmem_widgets.errors import SetupError
 from tfmem_widgets.fit.search import BatchSearch, Probe
 
 MiB = 1 << 20
-
-
-def _model_and_batches(width=1024, jit=False):
-    def build_model():
-        import keras
-
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(width, activation="relu"),
-                                  keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=jit)
-        return model
-
-    def make_batch(n):
-        import numpy as np
-
-        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
-
-    return build_model, make_batch
 
 
 def _children():
@@ -38,7 +22,7 @@ def _children():
 
 
 def test_the_largest_batch_is_found_near_the_edge_in_few_probes():
-    build_model, make_batch = _model_and_batches()
+    build_model, make_batch = search_functions()
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
                                           progress=False)
     assert len(search.probes) <= 12
@@ -100,7 +84,7 @@ def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():
     # process ends at the first refusal (a graph step's probes keep the retry: other ops free memory then).
     from tfmem_widgets.fit.probe import REFUSED
 
-    build_model, make_batch = _model_and_batches(jit=True)
+    build_model, make_batch = search_functions(jit=True)
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
                                           progress=False, method="probe")
     safe, failure = search.edge
@@ -115,7 +99,7 @@ def test_a_probe_killed_after_its_oom_says_how_and_a_search_leaves_last_oom_alon
     # A process that dies after an OOM (as an XLA program's OOM ends one in lab mode): the probe's death is
     # a field of the probe, read from how the process ended (never from a message), its OOM from the dump
     # the process left; and the kernel's last_oom() is not the search's to change.
-    build_model, _ = _model_and_batches()
+    build_model, _ = search_functions()
 
     def make_batch(n):
         import os
@@ -143,7 +127,7 @@ def test_a_probe_killed_after_its_oom_says_how_and_a_search_leaves_last_oom_alon
 
 
 def test_bad_input_is_one_line_and_starts_nothing():
-    build_model, make_batch = _model_and_batches()
+    build_model, make_batch = search_functions()
     for kwargs, words in (({"low": 8, "high": 4}, "low (8) is above high (4)"),
                           ({"margin": 1.5}, "margin must be"), ({"steps": 0}, "steps must be"),
                           ({"setup": {"lab": 64}}, "unknown setup option"), ({"progress": "yes"}, "progress must")):
@@ -157,7 +141,7 @@ def test_bad_input_is_one_line_and_starts_nothing():
 
 
 def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_line_each():
-    build_model, make_batch = _model_and_batches()
+    build_model, make_batch = search_functions()
 
     def raising_model():
         raise ValueError("no such layer")
@@ -172,8 +156,8 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
 
         clock.sleep(600)
 
-    big_model, _ = _model_and_batches(width=4096)   # 64 MiB of kernel: more than the 48 MB lab
-    wide_model, _ = _model_and_batches(width=1536)  # it is built; with Adam's slots and gradients a step is not
+    big_model, _ = search_functions(width=4096)   # 64 MiB of kernel: more than the 48 MB lab
+    wide_model, _ = search_functions(width=1536)  # it is built; with Adam's slots and gradients a step is not
     cases = [
         (dict(build_model=raising_model, make_batch=make_batch), "build_model() raised ValueError: no such layer"),
         (dict(build_model=build_model, make_batch=short_batch, low=8),
@@ -193,7 +177,7 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
 
 def test_every_probe_failure_names_its_cause_in_one_line():
     # (defined here: the probe's process gets the functions by value, as it gets a notebook's)
-    build_model, _ = _model_and_batches()
+    build_model, _ = search_functions()
 
     def _ragged(n):
         import numpy as np

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh
+from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -520,23 +520,6 @@ def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_t
     assert out["marks"] == ["epoch 1", "epoch 2", "epoch 3"]
 
 
-def _search_functions():
-    def build_model():
-        import keras
-
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
-                                  keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=True)
-        return model
-
-    def make_batch(n):
-        import numpy as np
-
-        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
-
-    return build_model, make_batch
-
-
 def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_under_a_limit():
     # Each probe under a 1000 MB logical device limit of its own: a card with room for both runs the plans'
     # answer and the batch just past it at once, each in a fresh process, and the edge they find is the
@@ -548,7 +531,7 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
 
     setup, env = {"limit_mb": 1000}, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
     assert room_for_two(setup, env) is not None, "a lent card holds two processes of 1000 MB and more"
-    search = tfmem_widgets.max_batch_size(*_search_functions(), setup=setup, env=env, high=262144, method="plan",
+    search = tfmem_widgets.max_batch_size(*search_functions(jit=True), setup=setup, env=env, high=262144, method="plan",
                                           progress=False)
     print(repr(search))
     answer, past = search.probes[0].batch, search.probes[1].batch

@@ -8,7 +8,7 @@ in lab mode aborts its process, so nothing here runs near a limit in this proces
 import pytest
 
 import tfmem_widgets
-from conftest import PROBE_DATA_MODEL, run_fresh
+from conftest import PROBE_DATA_MODEL, run_fresh, search_functions
 from tfmem_widgets.errors import SetupError
 
 MiB = 1 << 20
@@ -147,19 +147,7 @@ def test_a_step_without_xla_is_an_estimate_a_too_big_one_does_not_fit_and_bad_in
 
 
 def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
-    def build_model():
-        import keras
-
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
-                                  keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=True)
-        return model
-
-    def make_batch(n):
-        import numpy as np
-
-        return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
-
+    build_model, make_batch = search_functions(jit=True)
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
                                           progress=False, method="plan")
     safe, failure = search.edge

@@ -24,15 +24,27 @@ from tfmem_widgets.fit.warm import WarmProbes
 SETUP = {"lab_mb": 64}
 
 
-def _functions(hang: bool = False, seen: str | None = None):
+def _functions(hang: bool = False, seen: str | None = None, meet: str | None = None):
+    """meet: a folder; build_model waits (up to 60 s) there until two probes' processes have begun, so
+    two probes one after the other cannot both build their models: a pair that trains ran side by side."""
     def build_model():
         import os
+        from pathlib import Path
 
         import keras
 
         if seen:  # what the probe's process had when the model was built: lab mode's oneDNN switch
             with open(seen, "a") as out:
                 out.write(f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')}\n")
+        if meet:
+            import time as clock
+
+            Path(meet, str(os.getpid())).write_text("")
+            deadline = clock.monotonic() + 60
+            while len(list(Path(meet).iterdir())) < 2:
+                if clock.monotonic() > deadline:
+                    raise RuntimeError("the other probe never began")
+                clock.sleep(0.05)
         if hang:
             import time as clock
 
@@ -86,38 +98,10 @@ def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_do
     assert not _children() and not warm.path.exists()
 
 
-def _meeting(folder: str):
-    """Functions whose build_model waits (up to 60 s) until two probes' processes have begun: two probes
-    one after the other cannot both pass it, so a pair that trains ran side by side."""
-    def build_model():
-        import os
-        import time as clock
-        from pathlib import Path
-
-        import keras
-
-        Path(folder, str(os.getpid())).write_text("")
-        deadline = clock.monotonic() + 60
-        while len(list(Path(folder).iterdir())) < 2:
-            if clock.monotonic() > deadline:
-                raise RuntimeError("the other probe never began")
-            clock.sleep(0.05)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=True)
-        return model
-
-    def make_batch(n):
-        import numpy as np
-
-        return np.ones((n, 64), "float32"), np.ones((n, 1), "float32")
-
-    return cloudpickle.dumps((build_model, make_batch))
-
-
 def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_path):
     met = tmp_path / "met"
     met.mkdir()
-    warm = WarmProbes(_meeting(str(met)), 2, SETUP, {}, 240, ready=2)
+    warm = WarmProbes(_functions(meet=str(met)), 2, SETUP, {}, 240, ready=2)
     try:
         small, large = warm.probe_pair(64, 512)
     finally:

@@ -21,7 +21,6 @@ the same batch ran out of memory (Keras' input pipeline holds a batch on the dev
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -33,7 +32,7 @@ from ..text import LinesText
 from ..units import MiB, format_bytes
 from .probe import Probe, first_line
 from .progress import progress_for
-from .warm import WarmProbes, room_for_two
+from .warm import probing, room_for_two
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
@@ -75,37 +74,9 @@ class BatchSearch(LinesText):
         with self._probing() as probe_one:
             return [probe_one(batch) for batch in batches]
 
-    @contextlib.contextmanager
     def _probing(self, pairs: bool = False):
-        """While the functions' file exists: a function that runs one probe in a fresh process set
-        up like the others and adds it to `probes`. pairs: a pair of probes is to come (a plan
-        search's answer and the batch past it): two processes wait, and probe_one.pair(a, b) runs
-        both side by side where the machine has room for both now (warm.room_for_two), else returns
-        None (probe_one.pair is None without pairs)."""
-        functions, setup, env, timeout = self._run
-        warm = WarmProbes(functions, self.steps, setup, env, timeout, ready=2 if pairs else 1)
-        try:
-            def taken(probe: Probe) -> Probe:
-                if probe.limit_bytes is not None and self.limit_bytes is None:
-                    self.limit_bytes, self.limit_source = probe.limit_bytes, probe.limit_source
-                self.probes.append(probe)
-                return probe
-
-            def probe_one(batch: int) -> Probe:
-                return taken(warm.probe(batch))
-
-            def pair(first: int, second: int) -> list[Probe] | None:
-                how = room_for_two(setup, env)
-                if how is None:
-                    return None
-                self.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
-                return [taken(probe) for probe in warm.probe_pair(first, second)]
-
-            probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
-            probe_one.pair = pair if pairs else None
-            yield probe_one
-        finally:
-            warm.close()  # every process it started ended, the functions' file removed
+        """While the functions' file exists: probe_one(batch), one probe added to `probes` (warm.probing)."""
+        return probing(self, pairs)
 
     # -- what the probes show ------------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ it started, waiting or probing; a waiting process also ends by itself when its p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -222,3 +223,36 @@ class WarmProbes:
             waiting.kill()
         self._current, self._ready = [], []
         shutil.rmtree(self._work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def probing(search, pairs: bool = False):
+    """While the functions' file exists: probe_one(batch), one probe of a BatchSearch's in a fresh process
+    set up like the others, added to the search's `probes`. pairs: a pair of probes is to come (a plan
+    search's answer and the batch past it): two processes wait, and probe_one.pair(a, b) runs both side
+    by side where the machine has room for both now (room_for_two), else returns None (probe_one.pair is
+    None without pairs)."""
+    functions, setup, env, timeout = search._run
+    warm = WarmProbes(functions, search.steps, setup, env, timeout, ready=2 if pairs else 1)
+    try:
+        def taken(probe: Probe) -> Probe:
+            if probe.limit_bytes is not None and search.limit_bytes is None:
+                search.limit_bytes, search.limit_source = probe.limit_bytes, probe.limit_source
+            search.probes.append(probe)
+            return probe
+
+        def probe_one(batch: int) -> Probe:
+            return taken(warm.probe(batch))
+
+        def pair(first: int, second: int) -> list[Probe] | None:
+            how = room_for_two(setup, env)
+            if how is None:
+                return None
+            search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
+            return [taken(probe) for probe in warm.probe_pair(first, second)]
+
+        probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
+        probe_one.pair = pair if pairs else None
+        yield probe_one
+    finally:
+        warm.close()  # every process it started ended, the functions' file removed

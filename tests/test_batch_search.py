@@ -263,6 +263,15 @@ def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_
     assert search.edge == (3000, 3050) and "3,050 ran out of memory" in repr(search)
 
 
+def test_two_probes_side_by_side_count_their_shared_seconds_once():
+    # A pair's probes each count their own seconds from their common start; the search's time counts the
+    # seconds they shared once (fit/warm.probing adds the shorter one to overlap_seconds).
+    search = BatchSearch([Probe(100, 10 * MiB, 7.0), Probe(102, None, 7.4, "limit")], 1, 8192, 2, 0.0, 0.02,
+                         where="GPU:0", overlap_seconds=7.0)
+    assert search.seconds == pytest.approx(7.4)
+    assert "2 probes in 7 s, each in a fresh process (two side by side):" in repr(search)
+
+
 def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_to_fit(monkeypatch, tmp_path):
     # The planning process (a fresh TensorFlow process, on a GPU in this case) is the seam: what it returns
     # is given here; the decision after it is the real code. A preallocated GPU pool (a logical device

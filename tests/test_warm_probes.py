@@ -114,8 +114,6 @@ def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_pat
 
 def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room_for_both(monkeypatch):
     # The driver's reading is the seam (no GPU here): read_gpus as NVML would answer on a 80 GiB card.
-    import psutil as host
-
     import tfmem_widgets.tf.nvml as nvml
     from tfmem_widgets.errors import NvmlUnavailable
     from tfmem_widgets.fit import warm
@@ -129,7 +127,15 @@ def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room
     def no_driver():
         raise NvmlUnavailable("NVML not available: no NVIDIA driver answered")
 
-    monkeypatch.setattr(warm.os, "cpu_count", lambda: 16)
+    def cores(count):
+        monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: set(range(count)), raising=False)
+        monkeypatch.setattr(warm.os, "cpu_count", lambda: count)
+
+    def host(available):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": available})())
+
+    cores(16)
+    host(60 * GiB)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(nvml, "read_gpus", no_driver)
     assert "each under its 128 MB lab limit, with" in warm.room_for_two({"lab_mb": 128}, {})
@@ -146,10 +152,11 @@ def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room
     assert warm.room_for_two({"limit_mb": 19000}, {}) is None  # 2 x (19000 MB + 2 GiB) is more than 40 GiB free
     assert warm.room_for_two({"limit_mb": 19000}, {}, now=False) is not None  # allowed, once the card is freer
     assert warm.room_for_two({"limit_mb": 16000}, {}) is not None
-    monkeypatch.setattr(host, "virtual_memory", lambda: type("Memory", (), {"available": 3 * GiB})())
+    host(3 * GiB)
     assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # not the host's memory for two processes
-    monkeypatch.setattr(warm.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(host, "virtual_memory", lambda: type("Memory", (), {"available": 60 * GiB})())
+    assert warm.room_for_two({"limit_mb": 2000}, {}, now=False) is not None
+    host(60 * GiB)
+    cores(2)
     assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # two cores: two processes gain nothing
 
 

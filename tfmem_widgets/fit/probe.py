@@ -222,15 +222,16 @@ def ran_past(batch: int, timeout: float) -> SetupError:
                       "with every process it started; raise probe_timeout or lower high.")
 
 
-def probe_outcome(batch: int, timeout: float | None, started: float, run) -> Probe:
-    """The Probe that run() (a probe's run_checked) leaves, its seconds counted from `started`; a
-    SetupError where the functions could not be probed or the process failed otherwise."""
+def probe_outcome(batch: int, timeout: float | None, started: float, run, ended: float | None = None) -> Probe:
+    """The Probe that run() (a probe's run_checked) leaves, its seconds counted from `started` to
+    `ended` (its process's end; None: now); a SetupError where the functions could not be probed or the
+    process failed otherwise."""
     from ..errors import FreshRunError
 
     try:
         done = run()
     except FreshRunError as exc:
-        seconds = time.perf_counter() - started
+        seconds = (ended or time.perf_counter()) - started
         if exc.how == f"ended with exit code {REFUSED_EXIT}":  # its first refusal ended it (_end_at_first_refusal)
             oom = exc.oom  # read from the refusal's dump, which does not say the request
             return Probe(batch, None, seconds, died=REFUSED, limit_bytes=oom.limit_bytes if oom else None,
@@ -245,4 +246,4 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run) -> Pro
     value = done.values["probe"]
     if isinstance(value, ProbeRefused):
         raise SetupError(f"max_batch_size: {value.message}.")
-    return replace(value, seconds=time.perf_counter() - started)  # the process's start counted too
+    return replace(value, seconds=(ended or time.perf_counter()) - started)  # the process's start counted too

@@ -62,7 +62,8 @@ class BatchSearch(LinesText):
     plans: list = field(default_factory=list)  # the StepPlans a plan search made (method="plan")
     plan_seconds: float = 0.0  # the plan search's process, start to end
     planned_failure: int | None = None  # a batch past the answer whose plan needs more than the limit (not probed)
-    plan_answer: int | None = None  # the largest batch the plans fit (a plan's, or where the plans between put the edge)
+    plan_answer: int | None = None  # the largest batch the plans fit (the plan search's answer, probed first)
+    overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -222,7 +223,7 @@ class BatchSearch(LinesText):
 
     @property
     def seconds(self) -> float:
-        return self.plan_seconds + sum(p.seconds for p in self.probes)
+        return self.plan_seconds + sum(p.seconds for p in self.probes) - self.overlap_seconds
 
     # -- text -------------------------------------------------------------------------------
     def lines(self) -> list[str]:
@@ -263,7 +264,8 @@ class BatchSearch(LinesText):
         elif self.plan_seconds:
             out.append(f"  a fresh process to plan first: {self.plan_seconds:.0f} s, no plans (the notes say why)")
         out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
-                   f"{sum(p.seconds for p in self.probes):.0f} s, each in a fresh process:")
+                   f"{sum(p.seconds for p in self.probes) - self.overlap_seconds:.0f} s, each in a fresh process"
+                   + (" (two side by side):" if self.overlap_seconds else ":"))
         for p in self.probes:
             if p.fits:
                 what = f"trained, peak {format_bytes(p.peak_bytes)}"

@@ -57,6 +57,7 @@ class _Waiting:
         self.process: subprocess.Popen | None = None
         self.closed = threading.Event()
         self.outcome: tuple = ()
+        self.ended: float | None = None
         code = WARM_CODE.format(path=str(path), start=str(self.start), steps=steps)
 
         def run():
@@ -66,6 +67,7 @@ class _Waiting:
                                                    on_start=self._started))
             except BaseException as exc:  # handed to the caller of probe(), in its thread
                 self.outcome = ("error", exc)
+            self.ended = time.perf_counter()  # a pair's second probe counts to its own end, not the first's
 
         self.thread = threading.Thread(target=run, name="tfmem-warm-probe", daemon=True)
         self.thread.start()
@@ -100,7 +102,7 @@ class _Waiting:
                 raise value
             return value
 
-        return probe_outcome(batch, timeout, started, result)
+        return probe_outcome(batch, timeout, started, result, ended=self.ended)
 
     def kill(self) -> None:
         from .fresh import _kill_group
@@ -121,14 +123,16 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
     each under its lab limit, where the host has memory for both. A GPU: only under a limit set
     (limit_mb, or split's sizes), where every GPU the probes see has both limits free and more, by
     the driver's reading (NVML); a fresh process without a limit takes what it finds free, so two would
-    split the card. Never on fewer than MIN_CORES cores. now=False: whether the setup allows it at
-    all, the free memory left unread."""
+    split the card. Never on fewer than MIN_CORES cores (those this process may run on). Where NVML
+    cannot be read the machine is taken to have no GPU (TensorFlow needs the same driver). now=False:
+    whether the setup allows it at all, the free memory (the GPUs' and the host's) left unchecked."""
     import psutil
 
     from ..tf.nvml import NvmlUnavailable, nvml_index_for_cuda_ordinal, read_gpus
 
     setup, env = setup or {}, env or {}
-    if "CUDA_VISIBLE_DEVICES" in env or (os.cpu_count() or 1) < MIN_CORES:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if "CUDA_VISIBLE_DEVICES" in env or cores < MIN_CORES:
         return None  # the probes' GPUs are not this process's to read; too few cores for two
     try:
         gpus = read_gpus()
@@ -149,7 +153,7 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
     limit, split = setup.get("limit_mb"), setup.get("split")
     if limit is None and isinstance(split, (list, tuple)):
         limit = sum(split)
-    if limit is None or host < 2 * BESIDES_THE_POOL:
+    if limit is None or (now and host < 2 * BESIDES_THE_POOL):
         return None
     free = []
     for ordinal in ordinals:
@@ -194,8 +198,9 @@ class WarmProbes:
 
     def _take(self, count: int) -> list[_Waiting]:
         """`count` processes to probe in (the waiting ones first), and one started to wait for the next probe."""
-        taken = [self._ready.pop(0) if self._ready else _Waiting(*self._args) for _ in range(count)]
-        self._current = taken
+        taken = self._current = []  # each one the search's as soon as it is taken: close() ends it
+        for _ in range(count):
+            taken.append(self._ready.pop(0) if self._ready else _Waiting(*self._args))
         if not self._ready:
             self._ready.append(_Waiting(*self._args))  # imports while these probe
         return taken
@@ -203,13 +208,14 @@ class WarmProbes:
     def probe(self, batch: int) -> Probe:
         return self.probe_pair(batch)[0]
 
-    def probe_pair(self, *batches: int) -> list[Probe]:
+    def probe_pair(self, *batches: int, each=lambda probe: probe) -> list[Probe]:
         """Each batch probed in a process of its own, all at once (one, or two side by side); the
-        probes in order of `batches`. An error in one (or Ctrl-C) ends the others too."""
+        probes in order of `batches`, each handed to each() as it is read (so an error or Ctrl-C in the
+        second keeps the first's). An error in one ends the others too."""
         processes = self._take(len(batches))
         try:
             started = [process.begin(batch) for process, batch in zip(processes, batches)]
-            return [process.probe(batch, self._timeout, begun)
+            return [each(process.probe(batch, self._timeout, begun))
                     for process, batch, begun in zip(processes, batches, started)]
         except BaseException:  # Ctrl-C or an error here: the probes in flight end with it
             for process in processes:
@@ -249,7 +255,9 @@ def probing(search, pairs: bool = False):
             if how is None:
                 return None
             search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
-            return [taken(probe) for probe in warm.probe_pair(first, second)]
+            both = warm.probe_pair(first, second, each=taken)
+            search.overlap_seconds += min(probe.seconds for probe in both)  # counted twice in the probes' sum
+            return both
 
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
         probe_one.pair = pair if pairs else None

@@ -148,3 +148,80 @@ def live_at_peak(proto, temp: Allocation) -> tuple[int, dict[int, int]]:
         return 0, {}
     _, _, holders = replay(best_at)
     return best, {held[0]: place[1] for place, held in holders.items()}
+
+
+def _subshape(shape, index):
+    for i in index:
+        shape = shape.tuple_shapes[i]
+    return shape
+
+
+def batch_profile(proto, allocation: Allocation, batch: int, index: HloIndex | None = None,
+                  fixed_shapes: frozenset = frozenset()) -> tuple[tuple[int, int], ...]:
+    """How `allocation`'s bytes move with the batch: the heap simulator's trace replayed with each
+    buffer counted as scaling with the batch (an axis of its shape a multiple of `batch`) or not, as
+    (fixed, scaled) bytes live at each moment, only the moments that can be the largest at some batch
+    kept (the upper envelope). At another batch B the allocation holds about
+    size × max(fixed + scaled × B / batch) / max(fixed + scaled) while XLA lays the program out the
+    same way (measured in lab mode from 509 rows: Dense, attention and convolution steps within 0.1%
+    at 16 to 4,096 rows; from 31 rows a Dense step read 33% low at 1,024, laid out otherwise). An
+    output is one buffer.
+    A buffer shaped as one of `fixed_shapes` (the model's variables: gradients, updates) never scales,
+    whatever its axes. Empty where the batch cannot be told from a layer's width (fewer than 8 rows)."""
+    if batch < 8 or allocation.kind not in PER_RUN:
+        return ()
+    index = index or HloIndex(proto)
+
+    def scales(buffer_id: int) -> bool:
+        buffer, ins = index.buffers.get(buffer_id), index.instruction_of(buffer_id)
+        if buffer is None or ins is None:
+            return False
+        dims = tuple(_subshape(ins.shape, buffer.defined_at.shape_index).dimensions)
+        return dims not in fixed_shapes and any(d >= batch and d % batch == 0 for d in dims)
+
+    if allocation.kind == OUTPUT:
+        scaled = bool(allocation.buffers) and scales(allocation.buffers[0])
+        return ((0, allocation.size),) if scaled else ((allocation.size, 0),)
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    free = hlo_pb2.HeapSimulatorTrace.Event.FREE
+    placed = next(({x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
+                   for a in proto.buffer_assignment.buffer_allocations if a.index == allocation.index), {})
+    ours = set(allocation.buffers)
+    events = [e for trace in proto.buffer_assignment.heap_simulator_traces
+              if any(e.buffer_id in ours for e in trace.events) for e in trace.events if e.buffer_id in ours]
+    holders: dict[tuple[int, int], list[int]] = {}
+    scaled_place: dict[tuple[int, int], bool] = {}
+    live = [0, 0]  # fixed, scaled
+    moments = set()
+    for event in events:
+        place = placed.get(event.buffer_id, (0, 0))
+        if event.kind == free:
+            held = holders.get(place)
+            if held and event.buffer_id in held:
+                held.remove(event.buffer_id)
+                if not held:
+                    del holders[place]
+                    live[scaled_place.pop(place)] -= place[1]
+            continue
+        if place not in holders:
+            holders[place] = []
+            scaled_place[place] = scales(event.buffer_id)
+            live[scaled_place[place]] += place[1]
+            moments.add((live[0], live[1]))
+        if event.buffer_id not in holders[place]:
+            holders[place].append(event.buffer_id)
+    envelope: list[tuple[int, int]] = []
+    for fixed, scaled in sorted(moments, key=lambda m: (-m[1], -m[0])):  # most scaled first
+        if not envelope or fixed > envelope[-1][0]:
+            envelope.append((fixed, scaled))
+    return tuple(envelope)
+
+
+def bytes_at(size: int, profile: tuple[tuple[int, int], ...], ratio: float) -> int:
+    """An allocation of `size` bytes with this batch_profile, at `ratio` times the batch."""
+    if not profile:
+        return size
+    now = max(f + s for f, s in profile)
+    then = max(f + s * ratio for f, s in profile)
+    return max(1, round(size * then / now)) if now else size

@@ -60,6 +60,8 @@ class StepPlan(LinesText):
     resident_sizes: tuple[int, ...] = ()  # each variable's and each input's bytes, for the pool model
     batch_sizes: tuple[int, ...] = ()
     weight_count: int = 0  # how many of resident_sizes are the model's weights (made before a fit's data)
+    # each of step_allocations' hlo.batch_profile: how its bytes move with the batch (what aims a search's next plan)
+    step_profiles: tuple[tuple[tuple[int, int], ...], ...] = ()
     built: tuple[str, ...] = ()  # what plan() built the way fit would have (the optimizer's slots...)
     notes: tuple[str, ...] = field(default=())
 
@@ -412,13 +414,16 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     sizes = {part: [_nbytes(v.shape, v.dtype) for v in variables] for part, variables in state.items()}
     batch_sizes = tuple(_nbytes(s.shape, s.dtype) for s in flat_specs)
     parts = {part: sum(each) for part, each in sizes.items()}
+    variable_shapes = frozenset(tuple(int(d) for d in v.shape) for v in model.variables)
     name = resolve_device(device).name
     limit = limit_of(name)
     flags, autotuning = _xla_settings(name)
     return StepPlan(
         batch_size=batch_size, device=name, resident_bytes=sum(parts.values()), resident_parts=parts,
         batch_bytes=sum(batch_sizes), step_bytes=step,
-        step_allocations=tuple(a.size for a in per_run), worst_take_bytes=sum(worst_take(a.size) for a in per_run),
+        step_allocations=tuple(a.size for a in per_run),
+        step_profiles=tuple(hlo.batch_profile(proto, a, batch_size, index, variable_shapes) for a in per_run),
+        worst_take_bytes=sum(worst_take(a.size) for a in per_run),
         layers=LayerAnatomy(rows, step), jit_compile=model.jit_compile, xla_flags=flags,
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),

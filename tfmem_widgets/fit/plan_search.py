@@ -2,31 +2,33 @@
 
 A step's bytes are close to linear in the batch, but not quite (the largest moment's live set
 changes: a Dense model's step grows 6.3 KB a row at 64-256 rows and 12.4 KB at 4,096), so a line
-through small batches misaims: each plan is aimed by a line through the two plans nearest the limit
-on either side (regula falsi), with a halving step when the line keeps missing. Once two plans of
-the same layout bracket the edge, the plans between them (``planned_between``: each buffer on the
-line through its bytes in the two, exact while XLA lays the program out the same way) say where the
-edge falls, the pool's regions and no-split rule included, without a compile: the next plan is
-aimed there (in lab mode 6 compiles where the lines alone took 10). A batch fits when its plan does
-(``StepPlan.fits``: the peak within the limit and, where the pool grows, each of the step's
-allocations finding room).
+through small batches misaims. One plan says more than its bytes: its buffers' shapes say which grow
+with the batch (``planned_by_shapes``: each buffer with an axis of the batch scaled, the heap
+simulator's trace replayed), and that is XLA's plan at another batch while the program keeps its
+layout. So the first plan, at a prime number of rows (its batch axis told from a layer's width),
+aims the second at the edge, and the answer's own shapes say whether a step past it fits: in lab
+mode 2-3 compiles where lines through plans took 10. Where XLA lays a larger program out otherwise (a
+Dense step on the CPU took 26% more from 4,000 to 4,100 rows), the failing plan's shapes aim below
+it, and once two plans of the same layout bracket the edge, the plans between them
+(``planned_between``) say where it falls. A batch fits when its plan does (``StepPlan.fits``: the
+peak within the limit and, where the pool grows, each of the step's allocations finding room).
 
 ``max_batch_size(method="plan")`` runs this in one fresh process set up like the probes, then
 confirms the answer with a probe at it and one just past it (``fit/search.py``): side by side, each
 in a process of its own, where the machine has room for both (``warm.room_for_two``); the plans then
-stop without a plan just past the answer where the plans between say it fails there, the probe past
-it being the check (one compile fewer).
+stop without a plan just past the answer where its shapes (or the plans between) say it fails there,
+the probe past it being the check (one compile fewer).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import SetupError
-from ..tf.allocator import rounded, worst_take
 from .plan import StepPlan, device_of, plan
+from .plan_scaled import edge_between, edge_by_shapes, planned_between
 
 
 @dataclass
@@ -48,7 +50,9 @@ class PlanSearch:
     proven_bytes: int | None = None
 
 
-FIRST_PLAN = 512  # the first plan's batch (or `low`, where that is more): at a few rows the step's fixed bytes rule
+# The first plan's batch (or `low`, where that is more): a prime, so an axis of the batch is told from a layer's
+# width in its shapes (hlo.batch_profile: 512 rows would read a Dense layer's 512 inputs as the batch).
+FIRST_PLAN = 509
 
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
@@ -59,11 +63,14 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     holds besides the step at that plan's batch (the fit's data where it sits on the device).
     The first plan is at FIRST_PLAN rows (`low` where more, or where that one does not fit); a batch
     below a plan that fits is taken to fit (a step's bytes grow with the batch).
-    closing_plan=False: no plan past the answer where the plans between the two that bracket the edge
-    say it fails there (a probe past the answer, run beside the answer's, is the check): `failure` is
-    then the bracket's upper plan, and a note says where the plans between put the edge. The answer is
-    always a plan's: across brackets of up to twice the batch the plans between missed the real plans'
-    edge by 1-10% in lab mode at limits of 96-256 MB, so they aim the next plan, never answer."""
+    Each plan is aimed by the shapes of the largest that fits (``_aim_by_shapes``), else by the
+    plans between the two that bracket the edge, else by lines through plans.
+    closing_plan=False: no plan past the answer where its own shapes, or the plans between the two that
+    bracket the edge, say it fails there (a probe past the answer, run beside the answer's, is the
+    check): `failure` is then the bracket's upper plan (None where none was planned above), and a note
+    says so. The answer is always a plan's: across brackets of up to twice the batch the plans between
+    missed the real plans' edge by 1-10% in lab mode at limits of 96-256 MB, and a plan's shapes miss
+    where the layout changes, so they aim the next plan, never answer."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -99,11 +106,39 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     lo, hi = (start, refused) if fits(start) else (None, start)
     if lo is None and start > low:
         lo, hi = (low, start) if fits(low) else (None, low)
+
+    def judge(planned: StepPlan) -> bool:
+        return planned.fits(limit, held(planned))
+
+    def next_aim() -> int | None:
+        """The next batch to plan; None where the search stops (a note says why, where it is not the end)."""
+        shaped = _aim_by_shapes(plans, lo, hi, high, step(lo), judge)
+        past = min(high, lo + step(lo))
+        if shaped == CLOSED:  # lo's own buffers, scaled to a step past it, do not fit
+            if not closing_plan:
+                notes.append(f"the plan at {lo:,}, its buffers scaled to {past:,} rows, does not fit: not planned "
+                             "there, the probe past the answer is the check")
+                return None
+            return past if past not in plans else None
+        if shaped is not None:
+            return shaped
+        if hi is None:
+            return _aim_from_resident(plans[lo], limit, high, needs) if len(plans) == 1 else \
+                _next_aim(plans, lo, hi, limit, high, need=needs)
+        # (within twice lo only, where they put the edge as closing plans did in the benchmark on the H100 and
+        # in lab mode; at other limits they missed by a few percent: the probe past the answer is the check)
+        between = planned_between(plans[lo], plans[hi], past) if hi in plans and hi <= 2 * lo and not closing_plan \
+            else None
+        if between is not None and not judge(between):
+            notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
+                         "the probe past the answer is the check")
+            return None
+        aim = _aim_between(plans, lo, hi, resolution, judge)
+        return aim if aim is not None else _next_aim(plans, lo, hi, limit, high, need=needs)
+
     aim = None
-    if lo is not None and hi is None and lo < high:
-        aim = _aim_from_resident(plans[lo], limit, high, needs)
-    elif lo is not None and hi is not None and hi - lo > step(lo):
-        aim = _next_aim(plans, lo, hi, limit, high, need=needs)
+    if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
+        aim = next_aim()
     while aim is not None and len(plans) < max_plans:
         if fits(aim):
             lo = aim
@@ -113,18 +148,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
             hi = aim
         if hi is not None and hi - lo <= step(lo):
             break
-        past = lo + step(lo)
-        # (within twice lo only, where they put the edge as closing plans did in the benchmark on the H100 and
-        # in lab mode; at other limits they missed by a few percent: the probe past the answer is the check)
-        between = planned_between(plans[lo], plans[hi], past) if hi in plans and hi <= 2 * lo and not closing_plan \
-            else None
-        if between is not None and not between.fits(limit, held(between)):
-            notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
-                         "the probe past the answer is the check")
-            break
-        aim = _aim_between(plans, lo, hi, resolution, lambda p: p.fits(limit, held(p)))
-        if aim is None:
-            aim = _next_aim(plans, lo, hi, limit, high, need=needs)
+        aim = next_aim()
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds,
                        first.jit_compile, limit, first.limit_source if limit_bytes is None else "given", notes)
@@ -146,20 +170,24 @@ def _aim_from_resident(first: StepPlan, limit: int, high: int, need) -> int:
     return min(high, max(2 * batch, int(aim)))
 
 
-def _edge_between(plans: dict[int, StepPlan], lo: int, hi: int, fits) -> int | None:
-    """The largest batch from lo (fits) to below hi (does not) whose plan between the two fits
-    (planned_between); None where the two cannot be drawn between."""
-    low, high = plans[lo], plans[hi]
-    if planned_between(low, high, lo) is None:
-        return None
-    ok, bad = lo, hi
-    while bad - ok > 1:
-        middle = (ok + bad) // 2
-        if fits(planned_between(low, high, middle)):
-            ok = middle
-        else:
-            bad = middle
-    return ok
+CLOSED = -1  # _aim_by_shapes: the plan at lo, scaled a step past it, does not fit
+
+
+def _aim_by_shapes(plans: dict[int, StepPlan], lo: int, hi: int | None, high: int, step: int, fits) -> int | None:
+    """The next batch to plan by the shapes of the plan at lo (fits): the largest batch its buffers,
+    scaled, say fits, below hi. CLOSED where that is less than lo's step past it. Where hi's plan fails
+    although lo's shapes say it fits (XLA laid the larger program out otherwise), by hi's shapes: the
+    largest batch between the two that fits in hi's layout (it fits in either). None where neither
+    tells (no profile, an aim planned already, nothing past lo's step)."""
+    top = high if hi is None else hi - 1
+    edge = edge_by_shapes(plans[lo], fits, lo, top) if lo < top else lo
+    if edge is not None and edge < lo + step:
+        return CLOSED
+    if edge is None or (hi is not None and edge >= top):
+        edge = edge_by_shapes(plans[hi], fits, lo + 1, top) if hi in plans and lo + 1 <= top else None
+        if edge is None or edge < lo + step:
+            return None
+    return edge if edge not in plans else None
 
 
 def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
@@ -185,6 +213,10 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         return plans[batch].fits(limit_bytes, held(plans[batch]), regions)
 
     needs = _least_limits(held, regions)
+
+    def judge(planned: StepPlan) -> bool:
+        return planned.fits(limit_bytes, held(planned), regions)
+
     lo, hi = None, above.batch_size
     if above.fits(limit_bytes, held(above), regions):
         lo, hi = above.batch_size, None
@@ -192,7 +224,17 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         if seconds is not None and time.perf_counter() - started >= seconds:
             notes.append(f"stopped after {seconds:.0f} s of plans")
             break
-        if lo is None:
+        shaped = None
+        if lo is None:  # the largest batch below hi that fits by hi's own shapes (exact in its layout)
+            shaped = edge_by_shapes(plans[hi], judge, 1, hi - 1)
+            shaped = shaped if shaped and shaped not in plans else None
+        elif hi - lo > max(1, math.ceil(lo * resolution)):
+            step = max(1, math.ceil(lo * resolution))
+            shaped = _aim_by_shapes(plans, lo, hi, hi - 1, step, judge)
+            shaped = lo + step if shaped == CLOSED else shaped  # a closing plan a step past lo
+        if shaped is not None:
+            aim = shaped
+        elif lo is None:
             top = plans[hi]
             per_row = (top.peak_bytes - top.resident_bytes) / top.batch_size
             room = limit_bytes - top.resident_bytes - sum(held(top))
@@ -215,25 +257,6 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
                       above.jit_compile, limit_bytes, "given", notes)
 
 
-def planned_between(a: StepPlan, b: StepPlan, batch: int) -> StepPlan | None:
-    """The plan at `batch` as two planned ones of the same program say: each of the step's allocations
-    (by rank, largest first) on the line through its bytes in the two, the batch's bytes in proportion
-    to its rows; None where the two differ in their number of allocations or inputs (XLA laid the
-    programs out otherwise). A step's buffers are near-linear in the batch between two near batches,
-    not its fit: where the pool's regions or the no-split rule decide, StepPlan.fits of this plan
-    says where the edge falls between them without a compile. For aiming only, never reported."""
-    if (len(a.step_allocations) != len(b.step_allocations) or len(a.batch_sizes) != len(b.batch_sizes)
-            or a.batch_size == b.batch_size):
-        return None
-    t = (batch - a.batch_size) / (b.batch_size - a.batch_size)
-    allocations = tuple(sorted((max(1, round(x + (y - x) * t)) for x, y in zip(a.step_allocations, b.step_allocations)),
-                               reverse=True))
-    inputs = tuple(size // a.batch_size * batch for size in a.batch_sizes)
-    return replace(a, batch_size=batch, step_allocations=allocations, step_bytes=sum(rounded(x) for x in allocations),
-                   worst_take_bytes=sum(worst_take(x) for x in allocations), batch_sizes=inputs, batch_bytes=sum(inputs),
-                   notes=(f"between the plans at {a.batch_size:,} and {b.batch_size:,}",))
-
-
 def _aim_between(plans: dict[int, StepPlan], lo: int, hi: int | None, resolution: float, fits) -> int | None:
     """The next batch to plan between lo (fits) and hi (does not), by the plans between them
     (planned_between): the largest whose plan between them fits, or where that is within the
@@ -241,7 +264,7 @@ def _aim_between(plans: dict[int, StepPlan], lo: int, hi: int | None, resolution
     the edge lies higher). None where the two cannot be drawn between, or the aim is planned already."""
     if lo not in plans or hi not in plans:  # (no bound above yet, or a batch XLA could not compile)
         return None
-    ok = _edge_between(plans, lo, hi, fits)
+    ok = edge_between(plans, lo, hi, fits)
     if ok is None:
         return None
     # At least lo's step above lo, and a quarter of the gap below hi: where the plans between are

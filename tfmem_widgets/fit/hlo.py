@@ -105,41 +105,50 @@ class HloIndex:
             self.by_id.get(defined.instruction_id)
 
 
-def live_at_peak(proto, temp: Allocation) -> tuple[int, dict[int, int]]:
-    """(the most bytes live at once in the temporary allocation, {buffer id: bytes} live then), from
-    the heap simulator's trace. Its allocation index predates XLA's combining of temporary
-    allocations, so the trace is matched by the buffers placed in `temp`; buffers that share a place
-    (SHARE_WITH) count once. One pass finds the moment, a second replays the trace up to it."""
+def _place_changes(proto, allocation: Allocation, holders: dict, until: int | None = None):
+    """The heap simulator's trace of `allocation` (all its events, or up to `until`) as places taken
+    and given back: (event number, taken, place, buffer id) where a buffer takes a place no buffer
+    holds, or the last holder frees it; buffers that share a place (SHARE_WITH) hold it together.
+    `holders` (the buffers holding each place) is kept up to date. Its allocation index predates XLA's
+    combining of temporary allocations, so the trace is matched by the buffers placed in it."""
     from tensorflow.compiler.xla.service import hlo_pb2
 
     free = hlo_pb2.HeapSimulatorTrace.Event.FREE
     placed = next(({x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
-                   for a in proto.buffer_assignment.buffer_allocations if a.index == temp.index), {})
-    ours = set(temp.buffers)
+                   for a in proto.buffer_assignment.buffer_allocations if a.index == allocation.index), {})
+    ours = set(allocation.buffers)
     events = [e for trace in proto.buffer_assignment.heap_simulator_traces
               if any(e.buffer_id in ours for e in trace.events) for e in trace.events if e.buffer_id in ours]
+    for k, event in enumerate(events[:None if until is None else until + 1]):
+        place = placed.get(event.buffer_id, (0, 0))
+        if event.kind == free:
+            held = holders.get(place)
+            if held and event.buffer_id in held:
+                held.remove(event.buffer_id)
+                if not held:
+                    del holders[place]
+                    yield k, False, place, event.buffer_id
+            continue
+        taken = place not in holders
+        held = holders.setdefault(place, [])
+        if event.buffer_id not in held:
+            held.append(event.buffer_id)
+        if taken:
+            yield k, True, place, event.buffer_id
 
+
+def live_at_peak(proto, temp: Allocation) -> tuple[int, dict[int, int]]:
+    """(the most bytes live at once in the temporary allocation, {buffer id: bytes} live then), from
+    the heap simulator's trace (_place_changes). One pass finds the moment, a second replays the
+    trace up to it."""
     def replay(until: int | None = None):
         """Run the events (all, or up to `until`): (the highest total and the event reaching it, the
         buffers holding each place at the end)."""
         holders: dict[tuple[int, int], list[int]] = {}
         total, best, best_at = 0, -1, -1
-        for k, event in enumerate(events[:None if until is None else until + 1]):
-            place = placed.get(event.buffer_id, (0, 0))
-            if event.kind == free:
-                held = holders.get(place)
-                if held and event.buffer_id in held:
-                    held.remove(event.buffer_id)
-                    if not held:
-                        del holders[place]
-                        total -= place[1]
-                continue
-            if place not in holders:
-                holders[place] = []
-                total += place[1]
-            if event.buffer_id not in holders[place]:
-                holders[place].append(event.buffer_id)
-            if total > best:
+        for k, taken, place, _ in _place_changes(proto, temp, holders, until):
+            total += place[1] if taken else -place[1]
+            if taken and total > best:
                 best, best_at = total, k
         return best, best_at, holders
 
@@ -182,35 +191,16 @@ def batch_profile(proto, allocation: Allocation, batch: int, index: HloIndex | N
     if allocation.kind == OUTPUT:
         scaled = bool(allocation.buffers) and scales(allocation.buffers[0])
         return ((0, allocation.size),) if scaled else ((allocation.size, 0),)
-    from tensorflow.compiler.xla.service import hlo_pb2
-
-    free = hlo_pb2.HeapSimulatorTrace.Event.FREE
-    placed = next(({x.logical_buffer_id: (x.offset, x.size) for x in a.assigned}
-                   for a in proto.buffer_assignment.buffer_allocations if a.index == allocation.index), {})
-    ours = set(allocation.buffers)
-    events = [e for trace in proto.buffer_assignment.heap_simulator_traces
-              if any(e.buffer_id in ours for e in trace.events) for e in trace.events if e.buffer_id in ours]
-    holders: dict[tuple[int, int], list[int]] = {}
     scaled_place: dict[tuple[int, int], bool] = {}
     live = [0, 0]  # fixed, scaled
     moments = set()
-    for event in events:
-        place = placed.get(event.buffer_id, (0, 0))
-        if event.kind == free:
-            held = holders.get(place)
-            if held and event.buffer_id in held:
-                held.remove(event.buffer_id)
-                if not held:
-                    del holders[place]
-                    live[scaled_place.pop(place)] -= place[1]
-            continue
-        if place not in holders:
-            holders[place] = []
-            scaled_place[place] = scales(event.buffer_id)
+    for _, taken, place, buffer_id in _place_changes(proto, allocation, {}):
+        if taken:
+            scaled_place[place] = scales(buffer_id)
             live[scaled_place[place]] += place[1]
             moments.add((live[0], live[1]))
-        if event.buffer_id not in holders[place]:
-            holders[place].append(event.buffer_id)
+        else:
+            live[scaled_place.pop(place)] -= place[1]
     envelope: list[tuple[int, int]] = []
     for fixed, scaled in sorted(moments, key=lambda m: (-m[1], -m[0])):  # most scaled first
         if not envelope or fixed > envelope[-1][0]:

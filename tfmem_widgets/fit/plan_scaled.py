@@ -22,7 +22,8 @@ def planned_by_shapes(planned: StepPlan, batch: int) -> StepPlan | None:
     inputs in proportion to their rows. Equal to the plan compiled there while XLA lays the program out
     the same way (in lab mode from 509 rows: Dense, attention and convolution steps within 0.1% at 16
     to 4,096 rows); off where the layout changes (a Dense step on the CPU took 26% more from 4,000 to
-    4,100 rows; from 31 rows another read 33% low at 1,024). For aiming only, never reported. None where the plan has no profile."""
+    4,100 rows; from 31 rows another read 33% low at 1,024). For aiming only, never reported. None
+    where the plan has no profile."""
     profiles = planned.step_profiles
     if not profiles or len(profiles) != len(planned.step_allocations) or not all(profiles):
         return None

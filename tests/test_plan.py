@@ -283,8 +283,8 @@ print(json.dumps(dict(rows=rows, batch=found.batch, failure=found.failure, fits=
 def test_a_plan_between_two_of_the_same_layout_is_the_real_one_and_aims_the_search():
     # A step's buffers are linear in the batch while XLA lays the program out the same way: the plan
     # between two planned batches equals the one compiled there (to the allocator's 256-byte steps). The
-    # search aims by one plan's shapes (3 compiles here, where plans between took 6 and lines 10), by the
-    # plans between two where the larger's layout differs.
+    # search aims by one plan's shapes (3 compiles here, where plans between took 6 and lines 10); where
+    # the layout changes, by the failing plan's shapes, then by such plans between two.
     out = run_fresh(BETWEEN, timeout=300)
     for row in out["rows"]:
         assert row["between"][:2] == row["real"][:2]  # the step's and the batch's bytes, as the allocator rounds them

@@ -15,6 +15,7 @@ of when each buffer lives). Which allocations a run of the program takes from Te
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -172,9 +173,10 @@ def batch_profile(proto, allocation: Allocation, batch: int, index: HloIndex | N
     (fixed, scaled) bytes live at each moment, only the moments that can be the largest at some batch
     kept (the upper envelope). At another batch B the allocation holds about
     size × max(fixed + scaled × B / batch) / max(fixed + scaled) while XLA lays the program out the
-    same way (measured in lab mode from 509 rows: Dense, attention and convolution steps within 0.1%
-    at 16 to 4,096 rows; from 31 rows a Dense step read 33% low at 1,024, laid out otherwise). An
-    output is one buffer.
+    same way (in lab mode from 509 rows: tests/test_plan.py's Dense, attention and convolution steps
+    within 0.5% at 16 to 2,048 rows; a Dense step 1.9% high at 16 rows; the benchmark's Dense step
+    exact to 4,000 rows, then 19% low, laid out otherwise; from 31 rows a Dense step read 33% low at
+    1,024). An output is one buffer.
     A buffer shaped as one of `fixed_shapes` (the model's variables: gradients, updates) never scales,
     whatever its axes. Empty where the batch cannot be told from a layer's width (fewer than 8 rows)."""
     if batch < 8 or allocation.kind not in PER_RUN:
@@ -215,3 +217,19 @@ def bytes_at(size: int, profile: tuple[tuple[int, int], ...], ratio: float) -> i
     now = max(f + s for f, s in profile)
     then = max(f + s * ratio for f, s in profile)
     return max(1, round(size * then / now)) if now else size
+
+
+def widths_of(model) -> frozenset[int]:
+    """The model's variables' axes and sizes: a batch that divides one of these (and is no larger) cannot
+    be told from it in a buffer's shape (hlo.batch_profile)."""
+    widths = set()
+    for variable in model.variables:
+        shape = [int(d) for d in variable.shape]
+        widths.update(shape)
+        widths.add(math.prod(shape))
+    return frozenset(widths)
+
+
+def told_apart(batch: int, widths: frozenset[int]) -> bool:
+    """Whether a plan at `batch` rows tells its batch axis from the model's widths (widths_of)."""
+    return not any(w >= batch and w % batch == 0 for w in widths)

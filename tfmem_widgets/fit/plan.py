@@ -356,6 +356,18 @@ def _compile(model, specs, device: str):
     return hlo.hlo_proto(serialized), concrete, traced - started, compiled - traced, scopes.scopes
 
 
+def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
+    """Each allocation's hlo.batch_profile; none where the batch cannot be told from the model's widths
+    (hlo.told_apart) or the module cannot be read so: they aim a search, the plan stands alone."""
+    if not hlo.told_apart(batch_size, hlo.widths_of(model)):
+        return ()
+    shapes = frozenset(tuple(int(d) for d in v.shape) for v in model.variables)
+    try:
+        return tuple(hlo.batch_profile(proto, a, batch_size, index, shapes) for a in per_run)
+    except Exception:  # (an HLO module read otherwise than expected: no aim from it, the plan is whole)
+        return ()
+
+
 def plan(model, sample, batch_size: int) -> StepPlan:
     """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs.
 
@@ -414,7 +426,6 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     sizes = {part: [_nbytes(v.shape, v.dtype) for v in variables] for part, variables in state.items()}
     batch_sizes = tuple(_nbytes(s.shape, s.dtype) for s in flat_specs)
     parts = {part: sum(each) for part, each in sizes.items()}
-    variable_shapes = frozenset(tuple(int(d) for d in v.shape) for v in model.variables)
     name = resolve_device(device).name
     limit = limit_of(name)
     flags, autotuning = _xla_settings(name)
@@ -422,7 +433,7 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         batch_size=batch_size, device=name, resident_bytes=sum(parts.values()), resident_parts=parts,
         batch_bytes=sum(batch_sizes), step_bytes=step,
         step_allocations=tuple(a.size for a in per_run),
-        step_profiles=tuple(hlo.batch_profile(proto, a, batch_size, index, variable_shapes) for a in per_run),
+        step_profiles=_profiles(proto, per_run, batch_size, index, model),
         worst_take_bytes=sum(worst_take(a.size) for a in per_run),
         layers=LayerAnatomy(rows, step), jit_compile=model.jit_compile, xla_flags=flags,
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,

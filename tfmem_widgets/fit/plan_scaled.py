@@ -20,9 +20,9 @@ def planned_by_shapes(planned: StepPlan, batch: int) -> StepPlan | None:
     """The plan at `batch` as one plan's own shapes say: each of its allocations at that batch by its
     batch_profile (hlo.py: the buffers with an axis of the batch scaled, the others as they are), the
     inputs in proportion to their rows. Equal to the plan compiled there while XLA lays the program out
-    the same way (in lab mode from 509 rows: Dense, attention and convolution steps within 0.1% at 16
-    to 4,096 rows); off where the layout changes (a Dense step on the CPU took 26% more from 4,000 to
-    4,100 rows; from 31 rows another read 33% low at 1,024). For aiming only, never reported. None
+    the same way (in lab mode from 509 rows: tests/test_plan.py's Dense, attention and convolution steps
+    within 0.5% at 16 to 2,048 rows); off where the layout changes (a Dense step on the CPU took 26%
+    more from 4,000 to 4,100 rows; from 31 rows another read 33% low at 1,024). For aiming only, never reported. None
     where the plan has no profile."""
     profiles = planned.step_profiles
     if not profiles or len(profiles) != len(planned.step_allocations) or not all(profiles):
@@ -34,6 +34,16 @@ def planned_by_shapes(planned: StepPlan, batch: int) -> StepPlan | None:
     return replace(planned, batch_size=batch, step_allocations=allocations, step_profiles=(),
                    step_bytes=sum(rounded(x) for x in allocations), worst_take_bytes=sum(worst_take(x) for x in allocations),
                    batch_sizes=inputs, batch_bytes=sum(inputs), notes=(f"the plan at {planned.batch_size:,} scaled",))
+
+
+def clear_of_widths(batch: int, widths: frozenset[int], lowest: int) -> int:
+    """The largest batch from `lowest` to `batch` whose plan tells its batch axis from the model's widths
+    (at 512 rows a Dense layer's activations are shaped as its 512-by-1024 kernel); `batch` where none
+    within 64 below it does."""
+    for candidate in range(batch, max(lowest, batch - 64) - 1, -1):
+        if hlo.told_apart(candidate, widths):
+            return candidate
+    return batch
 
 
 def edge_by_shapes(planned: StepPlan, fits, low: int, high: int) -> int | None:

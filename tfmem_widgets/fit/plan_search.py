@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import SetupError
+from .hlo import told_apart, widths_of
 from .plan import StepPlan, device_of, plan
-from .plan_scaled import edge_between, edge_by_shapes, planned_between
+from .plan_scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
 
 
 @dataclass
@@ -50,8 +51,8 @@ class PlanSearch:
     proven_bytes: int | None = None
 
 
-# The first plan's batch (or `low`, where that is more): a prime, so an axis of the batch is told from a layer's
-# width in its shapes (hlo.batch_profile: 512 rows would read a Dense layer's 512 inputs as the batch).
+# The first plan's batch (or `low`, where that is more): a prime, so its batch axis is told from a layer's width
+# in its shapes (hlo.batch_profile; at 512 rows a Dense layer's activations are shaped as its 512-by-1024 kernel).
 FIRST_PLAN = 509
 
 
@@ -85,6 +86,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
         return plans[batch]
 
     start = min(high, max(low, FIRST_PLAN))
+    widths = widths_of(model)  # (a model built already: its weights; the first plan builds the rest)
+    start = next((b for b in range(start, min(high, start + 64) + 1) if told_apart(b, widths)), start)
     first = at(start)
     refused = None  # the first plan's batch where XLA could not compile it: not fitting, an upper bound
     if first is None and start > low:
@@ -109,6 +112,16 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
 
     def judge(planned: StepPlan) -> bool:
         return planned.fits(limit, held(planned))
+
+    widths = widths_of(model)  # with the optimizer's slots, built by the first plan
+
+    def cleared(aim: int | None) -> int | None:
+        """The aim, or just below it where its plan could not tell its batch axis (its shapes would aim
+        nothing)."""
+        if aim is None or aim >= high:
+            return aim
+        better = clear_of_widths(aim, widths, lo + 1)
+        return better if better not in plans else aim
 
     def next_aim() -> int | None:
         """The next batch to plan; None where the search stops (a note says why, where it is not the end)."""
@@ -138,7 +151,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
 
     aim = None
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
-        aim = next_aim()
+        aim = cleared(next_aim())
     while aim is not None and len(plans) < max_plans:
         if fits(aim):
             lo = aim
@@ -148,7 +161,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
             hi = aim
         if hi is not None and hi - lo <= step(lo):
             break
-        aim = next_aim()
+        aim = cleared(next_aim())
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds,
                        first.jit_compile, limit, first.limit_source if limit_bytes is None else "given", notes)
@@ -183,6 +196,10 @@ def _aim_by_shapes(plans: dict[int, StepPlan], lo: int, hi: int | None, high: in
     edge = edge_by_shapes(plans[lo], fits, lo, top) if lo < top else lo
     if edge is not None and edge < lo + step:
         return CLOSED
+    if hi is None and edge == top and top > 16 * lo:
+        # nothing fails by lo's shapes: sixteen times lo at most (where a GPU pads the batch of a
+        # half-precision product to a multiple of 8, a 509-row plan's activations read as fixed)
+        return 16 * lo if 16 * lo not in plans else None
     if edge is None or (hi is not None and edge >= top):
         edge = edge_by_shapes(plans[hi], fits, lo + 1, top) if hi in plans and lo + 1 <= top else None
         if edge is None or edge < lo + step:
@@ -194,8 +211,9 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
                   max_plans: int = 10, seconds: float | None = None, held=lambda plan: (),
                   regions: bool | None = None, planner=plan) -> PlanSearch:
     """The largest batch below `above` (a plan at a batch that does not fit) whose plan fits
-    `limit_bytes`, to within `resolution`; the first aim is where the line through the model's
-    resident bytes (at batch 0) and `above`'s peak meets the limit. `seconds` bounds the search:
+    `limit_bytes`, to within `resolution`; each aim is by the shapes of `above` (planned_by_shapes:
+    the largest batch they say fits), then of the plans made, else where the line through the
+    model's resident bytes (at batch 0) and a failing plan's peak meets the limit. `seconds` bounds the search:
     what is known by then is returned (each plan is a compile: about a second in lab mode, 10-30 s
     on a GPU). held(plan): what the process holds besides the step at that plan's batch (a fit's data);
     regions: as StepPlan.fits; planner: plan, or one that plans elsewhere (fit/need.py's CPU copy)."""
@@ -217,6 +235,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
     def judge(planned: StepPlan) -> bool:
         return planned.fits(limit_bytes, held(planned), regions)
 
+    widths = widths_of(model)
     lo, hi = None, above.batch_size
     if above.fits(limit_bytes, held(above), regions):
         lo, hi = above.batch_size, None
@@ -227,11 +246,13 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         shaped = None
         if lo is None:  # the largest batch below hi that fits by hi's own shapes (exact in its layout)
             shaped = edge_by_shapes(plans[hi], judge, 1, hi - 1)
-            shaped = shaped if shaped and shaped not in plans else None
         elif hi - lo > max(1, math.ceil(lo * resolution)):
             step = max(1, math.ceil(lo * resolution))
             shaped = _aim_by_shapes(plans, lo, hi, hi - 1, step, judge)
             shaped = lo + step if shaped == CLOSED else shaped  # a closing plan a step past lo
+        if shaped:  # just below, where its plan could not tell its batch axis from the model's widths
+            shaped = clear_of_widths(shaped, widths, (lo or 0) + 1)
+        shaped = shaped if shaped and shaped not in plans else None
         if shaped is not None:
             aim = shaped
         elif lo is None:

@@ -1,0 +1,84 @@
+"""How a plan search aims its compiles: by one plan's shapes, across a change of XLA's layout, clear of
+the model's widths. Made-up plans whose bytes follow a known rule stand for XLA's (each real compile is
+a second or more; tests/test_plan.py compares real plans with the same aims)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tfmem_widgets.fit import plan_search
+from tfmem_widgets.fit.hlo import told_apart, widths_of
+from tfmem_widgets.fit.plan import StepPlan
+from tfmem_widgets.fit.plan_scaled import clear_of_widths, planned_by_shapes
+from tfmem_widgets.fit.plan_search import _aim_by_shapes, largest_below, largest_planned_batch
+from tfmem_widgets.oom.layers import LayerAnatomy
+
+FIXED = 1024  # (bytes in the allocator's 256-byte steps: the made-up plans are what it hands out)
+SWITCH = 5000  # from here XLA lays the program out otherwise: 512 bytes a row where it was 256
+LIMIT = FIXED + 256 * 6000  # by the small layout's shapes 6,000 rows fit; the edge is the switch's row before
+
+
+def per_row(batch: int) -> int:
+    return 256 if batch < SWITCH else 512
+
+
+def made_up(batch: int, scaled: bool = True) -> StepPlan:
+    """A step of FIXED bytes and per_row(batch) a row, one allocation, its profile as XLA's would read."""
+    rows = per_row(batch) * batch
+    return StepPlan(batch_size=batch, device="CPU:0", resident_bytes=0, resident_parts={}, batch_bytes=0,
+                    step_bytes=FIXED + rows, step_allocations=(FIXED + rows,), worst_take_bytes=FIXED + rows,
+                    layers=LayerAnatomy({}, 0), jit_compile=True, xla_flags="", autotuning="none (XLA on a CPU)",
+                    trace_seconds=0.0, compile_seconds=0.0, limit_bytes=LIMIT, growth=False,
+                    step_profiles=(((FIXED, rows) if scaled else (FIXED + rows, 0),),))
+
+
+MODEL = SimpleNamespace(variables=[SimpleNamespace(shape=(512, 1024)), SimpleNamespace(shape=(1024, 1024))])
+
+
+def planner(calls):
+    def plan(model, sample, batch):
+        calls.append(batch)
+        return made_up(batch)
+    return plan
+
+
+def test_a_plans_shapes_say_its_step_at_another_batch_while_the_layout_holds():
+    assert planned_by_shapes(made_up(509), 4000).step_bytes == made_up(4000).step_bytes
+    assert planned_by_shapes(made_up(509), 6000).step_bytes < made_up(6000).step_bytes  # the layout changed
+
+
+def test_a_batch_that_divides_a_width_is_not_aimed_at():
+    widths = widths_of(MODEL)  # 512, 1024 and 1,048,576 (the kernel's size)
+    assert not told_apart(512, widths) and not told_apart(4096, widths) and told_apart(509, widths)
+    assert clear_of_widths(4096, widths, 1) == 4095 and clear_of_widths(4095, widths, 1) == 4095
+
+
+def test_the_search_aims_by_the_shapes_then_by_the_failing_plans_own(monkeypatch):
+    calls = []
+    monkeypatch.setattr(plan_search, "plan", planner(calls))
+    found = largest_planned_batch(MODEL, None, LIMIT, low=1, high=65536)
+    # 509's shapes put the edge at 6,000; the plan there fails (its layout), and its own shapes aim at
+    # 3,000; the switch itself no plan's shapes foresee: the plans close in on it by quarters of the gap
+    assert calls[:3] == [509, 6000, 3000] and len(set(calls)) == len(calls)
+    assert found.batch < SWITCH <= found.failure and found.failure - found.batch <= -(-found.batch * 2 // 100)
+    assert len(calls) <= 9, calls
+
+    calls.clear()
+    unclosed = largest_planned_batch(MODEL, None, LIMIT, low=1, high=65536, closing_plan=False)
+    assert len(calls) < len(found.plans) and made_up(unclosed.batch).fits(LIMIT)  # the probe past it checks
+
+
+def test_an_oom_reports_batch_is_aimed_by_the_failing_plans_shapes():
+    calls = []
+    found = largest_below(MODEL, None, made_up(8192), LIMIT, regions=False, planner=planner(calls))
+    # 8,192's own layout puts the edge at 3,000 (512 a row): that fits; then up to the switch
+    assert calls[0] == 3000 and len(set(calls)) == len(calls)
+    assert found.batch < SWITCH <= found.failure and found.failure - found.batch <= -(-found.batch * 2 // 100)
+    assert len(calls) <= 8, calls
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_where_nothing_fails_by_a_plans_shapes_the_next_aim_is_sixteen_times_it_at_most(scaled):
+    plans = {509: made_up(509, scaled)}  # unscaled: a profile that read every buffer as fixed
+    aim = _aim_by_shapes(plans, 509, None, 1 << 20, 11, lambda p: p.fits(LIMIT))
+    assert aim == (6000 if scaled else 16 * 509)

@@ -92,8 +92,7 @@ class _Waiting:
         if started is None:
             started = self.begin(batch)
         # In short waits: a Ctrl-C's signal that reached another of this process's threads is raised here
-        # at the next one (a long join wakes only for a signal delivered to this thread: once in a test run
-        # a SIGINT sent to the process left the probe to run to its 300 s limit).
+        # at the next one (a long join wakes only for a signal delivered to this thread).
         while self.thread.is_alive() and (timeout is None or time.perf_counter() - started < timeout):
             self.thread.join(0.2 if timeout is None else min(0.2, max(0.0, timeout - (time.perf_counter() - started))))
         if self.thread.is_alive():

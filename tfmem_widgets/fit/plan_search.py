@@ -86,7 +86,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
         return plans[batch]
 
     start = min(high, max(low, FIRST_PLAN))
-    widths = widths_of(model)  # (a model built already: its weights; the first plan builds the rest)
+    widths = widths_of(model)  # the weights' (an optimizer's slots, built by the first plan, are shaped as they are)
     start = next((b for b in range(start, min(high, start + 64) + 1) if told_apart(b, widths)), start)
     first = at(start)
     refused = None  # the first plan's batch where XLA could not compile it: not fitting, an upper bound
@@ -112,8 +112,6 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
 
     def judge(planned: StepPlan) -> bool:
         return planned.fits(limit, held(planned))
-
-    widths = widths_of(model)  # with the optimizer's slots, built by the first plan
 
     def cleared(aim: int | None) -> int | None:
         """The aim, or just below it where its plan could not tell its batch axis (its shapes would aim

@@ -63,6 +63,8 @@ class StepPlan(LinesText):
     # each of step_allocations' hlo.batch_profile: how its bytes move with the batch (what aims a search's next plan)
     step_profiles: tuple[tuple[tuple[int, int], ...], ...] = ()
     built: tuple[str, ...] = ()  # what plan() built the way fit would have (the optimizer's slots...)
+    # the pool a fresh process's fit meets at its first step, where a search read it (fit/fit_start.py: lab mode)
+    fit_start: object | None = None
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -97,9 +99,12 @@ class StepPlan(LinesText):
         where the no-split rule says so. A pool that grows (lab mode, growth on a GPU) makes regions that
         never merge; without growth the first tensor takes the whole limit as one region, and the step's
         largest buffer takes the rest of it whole when less than 128 MiB would remain (measured on an
-        H100 under a 2000 MB logical device: the next 4-byte request found nothing). None when a request
-        finds no room: the step does not fit there although its bytes might."""
+        H100 under a 2000 MB logical device: the next 4-byte request found nothing). Where a search read
+        the fit's start in its process (fit_start, lab mode), that start replayed instead. None when a
+        request finds no room: the step does not fit there although its bytes might."""
         limit = self._limit(limit_bytes)
+        if self.fit_start is not None:  # the process's own start, read: its build's pool and its data's copy
+            return self.fit_start.take(self, limit, held)
         pool = GrowingPool(limit) if self.growth else GrowingPool(limit, first_region=limit)
         weights = self.resident_sizes[:self.weight_count]
         for size in (*weights, *held, *self.resident_sizes[self.weight_count:], *self.batch_sizes):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import SetupError
 from .hlo import told_apart, widths_of
@@ -58,7 +58,7 @@ FIRST_PLAN = 509
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
                           resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
-                          closing_plan: bool = True) -> PlanSearch:
+                          closing_plan: bool = True, fit_start=None) -> PlanSearch:
     """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
     device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
     holds besides the step at that plan's batch (the fit's data where it sits on the device).
@@ -71,7 +71,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     check): `failure` is then the bracket's upper plan (None where none was planned above), and a note
     says so. The answer is always a plan's: across brackets of up to twice the batch the plans between
     missed the real plans' edge by 1-10% in lab mode at limits of 96-256 MB, and a plan's shapes miss
-    where the layout changes, so they aim the next plan, never answer."""
+    where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
+    process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -79,7 +80,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     def at(batch: int) -> StepPlan | None:
         if batch not in plans:
             try:
-                plans[batch] = plan(model, sample, batch)
+                plans[batch] = replace(plan(model, sample, batch), fit_start=fit_start)
             except SetupError as exc:  # XLA could not compile it (an autotuner without room): not fitting
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return None
@@ -342,8 +343,10 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     from pathlib import Path
 
     started = time.perf_counter()
+    from .fit_start import read_fit_start
+
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
-    model = build_model()
+    model, start = read_fit_start(build_model, make_batch)  # lab mode: the pool a probe's fit will meet, read
     jit = getattr(model, "jit_compile", None)
     if xla_only and jit is not True:
         return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
@@ -351,7 +354,11 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
                                   held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes),
-                                  closing_plan=closing_plan)
+                                  closing_plan=closing_plan, fit_start=start)
+    if start is not None:
+        found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
+                           f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "
+                           "of the batch's bytes, measured), the optimizer's slots")
     if share:
         found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
                            f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")

@@ -134,6 +134,76 @@ class GrowingPool:
         return taken
 
 
+class BfcPool:
+    """A pool chunk by chunk, from the pool as it stands (``of_map``: a trace's map) or empty: the
+    regions in order, each its chunks in address order. A request takes the smallest free chunk that
+    holds it, whole where the no-split rule says so (else its head, the rest left free after it), or
+    a new region by GrowingPool's rule (the next twice the largest a map holds); a chunk given back
+    merges with the free chunks beside it in its region. For requests that are freed as well as kept
+    (a fit's data taken for a while, then its slots and its step)."""
+
+    def __init__(self, limit_bytes: int, first_region: int = FIRST_GROWTH_REGION):
+        self.limit = limit_bytes
+        self.regions: list[list[list]] = []  # each region: its chunks as [size, in_use], in address order
+        self._next = rounded(min(limit_bytes, first_region))
+
+    @classmethod
+    def of_map(cls, pool_map, limit_bytes: int) -> BfcPool:
+        """The pool of an AllocatorMap (complete: its regions and every chunk in them)."""
+        pool = cls(limit_bytes)
+        for region in sorted(pool_map.regions, key=lambda r: r.address):
+            inside = sorted((c for c in pool_map.chunks if region.address <= c.address < region.address + region.size),
+                            key=lambda c: c.address)
+            pool.regions.append([[c.size, c.in_use] for c in inside])
+        if pool.regions:
+            pool._next = 2 * max(sum(c[0] for c in chunks) for chunks in pool.regions)
+        return pool
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(c[0] for chunks in self.regions for c in chunks)
+
+    def take(self, request_bytes: int) -> list | None:
+        """The chunk handed out for a request (give it back with ``give``); None: no room (an OOM)."""
+        request = rounded(request_bytes)
+        best = None
+        for chunks in self.regions:
+            for k, chunk in enumerate(chunks):
+                if not chunk[1] and chunk[0] >= request and (best is None or chunk[0] < best[2][0]):
+                    best = (chunks, k, chunk)
+        if best is None:
+            available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
+            if request > available:
+                return None
+            raised = False
+            while self._next < request:
+                self._next, raised = self._next * 2, True
+            size = min(self._next, available)
+            if not raised:
+                self._next *= 2
+            self.regions.append([[size, False]])
+            best = (self.regions[-1], 0, self.regions[-1][0])
+        chunks, k, chunk = best
+        if not takes_whole(chunk[0], request):
+            chunks.insert(k + 1, [chunk[0] - request, False])
+            chunk[0] = request
+        chunk[1] = True
+        return chunk
+
+    def give(self, chunk: list) -> None:
+        """A chunk taken from this pool freed: merged with a free chunk on either side."""
+        for chunks in self.regions:
+            for k, other in enumerate(chunks):
+                if other is chunk:
+                    chunk[1] = False
+                    if k + 1 < len(chunks) and not chunks[k + 1][1]:
+                        chunk[0] += chunks.pop(k + 1)[0]
+                    if k > 0 and not chunks[k - 1][1]:
+                        chunks[k - 1][0] += chunks.pop(k)[0]
+                    return
+        raise ValueError("give: not a chunk taken from this pool")
+
+
 def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
     """TensorFlow's fragmentation metric (BFCAllocator::GetFragmentation): the free bytes outside
     the largest free chunk, over all free bytes; NaN when nothing is free."""

@@ -1,0 +1,76 @@
+"""The allocator chunk by chunk (tf/allocator.BfcPool) and a fit's start replayed in it
+(fit/fit_start.FitStart): made-up pools whose every byte follows the BFC allocator's rules
+(bfc_allocator.cc: best fit, the no-split rule, regions that double, neighbours merged when freed).
+tests/test_plan.py checks the real thing: a lab search whose plans carry the start its probes meet."""
+
+from types import SimpleNamespace
+
+from tfmem_widgets.fit.fit_start import FitStart
+from tfmem_widgets.tf.allocator import BfcPool
+from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
+
+MiB = 1 << 20
+
+
+def layout(pool: BfcPool) -> list[list[tuple[int, bool]]]:
+    return [[(size // MiB, used) for size, used in chunks] for chunks in pool.regions]
+
+
+def test_a_request_splits_a_chunk_twice_its_size_takes_a_smaller_one_whole_and_a_new_region_doubles():
+    pool = BfcPool(128 * MiB)
+    first = pool.take(1 * MiB)                # the first region, 2 MiB: split (2 >= 2 x 1)
+    assert layout(pool) == [[(1, True), (1, False)]]
+    pool.take(1 * MiB)                        # the 1 MiB left is exactly the request
+    pool.take(3 * MiB)                        # nothing free: the next region is 4 MiB, not split (4 < 2 x 3)
+    assert layout(pool) == [[(1, True), (1, True)], [(4, True)]]
+    pool.give(first)
+    assert pool.take(5 * MiB)[0] == 8 * MiB   # the next doubles again: 8 MiB, whole (8 < 10)
+    assert pool.take(120 * MiB) is None       # 114 MiB is left under the limit: no room, an OOM
+    assert pool.take(100 * MiB)[0] == 114 * MiB  # a region of what the limit leaves (the next, 16 MiB, raised to 128 first)
+
+
+def test_a_chunk_given_back_merges_with_free_chunks_on_both_sides():
+    pool = BfcPool(128 * MiB, first_region=16 * MiB)
+    a, b, c = (pool.take(4 * MiB) for _ in range(3))
+    pool.give(a)
+    pool.give(c)                              # merges with the 4 MiB left after it
+    assert layout(pool) == [[(4, False), (4, True), (8, False)]]
+    pool.give(b)
+    assert layout(pool) == [[(16, False)]]
+    assert pool.take(6 * MiB)[0] == 6 * MiB   # best fit: the 16 MiB chunk split
+
+
+def full_regions(*sizes_mib: int) -> AllocatorMap:
+    """A pool whose regions (these sizes, in order) are each one chunk in use."""
+    regions, chunks, address = [], [], 1 << 30
+    for size in sizes_mib:
+        regions.append(Region(address, size * MiB))
+        chunks.append(Chunk(address, size * MiB, True))
+        address += 2 * size * MiB
+    return AllocatorMap("bfc_cpu_allocator_for_gpu", tuple(chunks), tuple(regions), "trace")
+
+
+def test_a_copy_the_data_takes_for_a_while_leaves_a_region_the_step_cannot_grow_past():
+    # The build left regions of 2-16 MiB full (30 MiB). The fit's data (20 MiB) takes a new 32 MiB region
+    # whole (32 < 40); its iterator's copy takes a new 64 MiB region and gives it back. The step's 65 MiB
+    # buffer finds that free 64 MiB chunk too small and 2 MiB left under the 128 MiB limit: it does not fit.
+    # Without the copy 66 MiB are left under the limit, a region the buffer takes whole.
+    step = SimpleNamespace(batch_sizes=(20 * MiB,), resident_sizes=(), weight_count=0, step_allocations=(65 * MiB,))
+    built = full_regions(2, 4, 8, 16)
+    assert FitStart(built, 1.0).take(step, 128 * MiB) is None
+    assert FitStart(built, 0.0).take(step, 128 * MiB) == 66 * MiB
+    # A smaller step takes the copy's free region, whole (64 < 2 x 40)
+    smaller = SimpleNamespace(**{**vars(step), "step_allocations": (40 * MiB,)})
+    assert FitStart(built, 1.0).take(smaller, 128 * MiB) == 64 * MiB
+
+
+def test_the_optimizers_slots_fill_the_holes_the_build_left_before_a_region_grows():
+    built = AllocatorMap("bfc_cpu_allocator_for_gpu", (Chunk(1 << 30, 2 * MiB, True), Chunk((1 << 30) + 2 * MiB, 6 * MiB, False)),
+                         (Region(1 << 30, 8 * MiB),), "trace")
+    plan = SimpleNamespace(batch_sizes=(), resident_sizes=(2 * MiB, 2 * MiB, 2 * MiB), weight_count=1,
+                           step_allocations=(3 * MiB // 2,))
+    pool = BfcPool.of_map(built, 64 * MiB)
+    assert layout(pool) == [[(2, True), (6, False)]]
+    # The two slots split the 6 MiB hole (each chunk at least twice 2 MiB); the step's 1.5 MiB takes the
+    # 2 MiB left whole (2 < 3). Had a region grown, it would be 16 MiB, split: 1.5 MiB.
+    assert FitStart(built, 0.0).take(plan, 64 * MiB) == 2 * MiB

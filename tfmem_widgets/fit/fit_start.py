@@ -1,0 +1,97 @@
+"""The pool a fresh process's fit meets at its first step, read where it can be: lab mode.
+
+A plan's ``fits()`` places the step in a fresh process's pool (``StepPlan.take_in_fresh_pool``).
+From the variables alone it lays the weights, the slots and the batch end to end. A real process
+gets there otherwise: each weight's initializer makes and frees tensors of its size (a draw, a
+product, a sum), a tensor takes a free chunk whole under the no-split rule, and the fit's data
+passes through a copy as its iterator starts, so the pool holds other regions and holes when the
+step asks. Measured in lab mode (128 MB, the benchmark's Dense 512-1024-1024-1 model, Adam): at
+4,095 rows the step's 68 MiB buffer met regions of 2 to 32 MiB and 66 MiB left under the limit, too
+little for its region, where the variables alone gave it a region of 98 MiB; the plans said 4,095
+fits, and fresh fits failed from 3,972 rows.
+
+``read_fit_start`` reads that start in a search's planning process, set up as its probes are:
+``build_model()`` traced from the process's start (its pool is then a probe's after the same call),
+and what the probe's data takes for a while as its iterator starts. ``FitStart.take`` replays it
+chunk by chunk (``tf/allocator.BfcPool``): that pool, the data (on a CPU the step reads it in place
+as its batch), its iterator's copy given back, the optimizer's slots, then the step's allocations.
+On a GPU the data path differs (fit/plan_search.data_on_device) and the variables' model stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..tf.allocator import BfcPool
+
+
+@dataclass(frozen=True)
+class FitStart:
+    """The pool after build_model() in a fresh process (a trace's map), and what the fit's data takes
+    for a while as its iterator starts, per byte of batch (a copy of it: about 1.0)."""
+
+    built: object  # tracing.allocator_map.AllocatorMap
+    passing_share: float
+
+    def take(self, planned, limit_bytes: int, held: tuple[int, ...] = ()) -> int | None:
+        """What the allocator hands out for the step of `planned` after the fit's start, replayed;
+        None where a request finds no room on the way (the step does not fit there)."""
+        pool = BfcPool.of_map(self.built, limit_bytes)
+        kept = [pool.take(size) for size in (*held, *planned.batch_sizes)]
+        passing = [pool.take(int(size * self.passing_share)) for size in planned.batch_sizes if self.passing_share]
+        if None in kept or None in passing:
+            return None
+        for chunk in passing:
+            pool.give(chunk)
+        for size in planned.resident_sizes[planned.weight_count:]:  # the optimizer's slots, made as fit begins
+            if pool.take(size) is None:
+                return None
+        taken = [pool.take(size) for size in planned.step_allocations]
+        return None if None in taken else sum(chunk[0] for chunk in taken)
+
+
+def read_fit_start(build_model, make_batch, rows: int = 256):
+    """build_model() traced in this fresh process (lab mode, nothing of TensorFlow's made yet), and
+    make_batch(rows) made into the probe's data and its iterator started, measured. Returns the model
+    and its FitStart; None in its place where the start cannot be read (not lab mode, a model not
+    built by build_model, its device not the CPU, a trace that failed)."""
+    from ..tf.lab import lab_limit_bytes
+
+    if lab_limit_bytes() is None:
+        return build_model(), None
+    from ..errors import SetupError
+    from ..tracing.block import trace
+
+    model = None
+    try:
+        with trace() as traced:
+            model = build_model()
+        built = traced.map(-1)
+    except SetupError:  # the profiler did not start, or its events could not be read
+        return (build_model() if model is None else model), None
+    if not built.complete or not getattr(model, "built", False):
+        return model, None
+    share = _passing_share(make_batch, model, rows)
+    return model, (None if share is None else FitStart(built, share))
+
+
+def _passing_share(make_batch, model, rows: int) -> float | None:
+    """What the probe's data (probe.probe_dataset) takes and gives back as its iterator starts, per
+    byte of make_batch(rows)'s arrays, measured on the model's device (None: not the CPU)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from .plan import device_of
+    from .probe import probe_dataset
+
+    device = device_of(model)
+    if not device.startswith("CPU"):
+        return None
+    data = make_batch(rows)
+    size = sum(np.asarray(part).nbytes for part in tf.nest.flatten(data))
+    dataset = probe_dataset(data, 1)
+    tf.config.experimental.reset_memory_stats(device)
+    iterator = iter(dataset)
+    info = tf.config.experimental.get_memory_info(device)
+    del iterator, dataset, data
+    return max(0, info["peak"] - info["current"]) / size if size else 0.0

@@ -59,19 +59,29 @@ def read_fit_start(build_model, make_batch, rows: int = 256):
 
     if lab_limit_bytes() is None:
         return build_model(), None
-    from ..errors import SetupError
     from ..tracing.block import trace
 
-    model = None
+    block = trace()
     try:
-        with trace() as traced:
-            model = build_model()
+        traced = block.__enter__()
+    except Exception:  # the profiler did not start: the variables' model stands
+        return build_model(), None
+    try:
+        model = build_model()
+    except BaseException as exc:  # the user's error, as without the trace; the profiler stopped first
+        block.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    try:
+        block.__exit__(None, None, None)
         built = traced.map(-1)
-    except SetupError:  # the profiler did not start, or its events could not be read
-        return (build_model() if model is None else model), None
+    except Exception:  # its events could not be read
+        return model, None
     if not built.complete or not getattr(model, "built", False):
         return model, None
-    share = _passing_share(make_batch, model, rows)
+    try:
+        share = _passing_share(make_batch, model, rows)
+    except Exception:  # make_batch failed at these rows: the search's own calls say so where they fail
+        return model, None
     return model, (None if share is None else FitStart(built, share))
 
 

@@ -80,6 +80,22 @@ def worst_take(request_bytes: int) -> int:
     return min(2 * request - MIN_ALLOCATION, request + MAX_WHOLE_CHUNK_EXCESS - MIN_ALLOCATION)
 
 
+def _new_region(pool, request: int) -> int | None:
+    """The size of the region a growing pool makes for a (rounded) request none of its chunks holds, its
+    next region's size moved on (Extend: doubled until the request fits, a size raised so not doubled
+    again, cut to what is left under the limit); None where the request exceeds what is left (an OOM)."""
+    available = (pool.limit - pool.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
+    if request > available:
+        return None
+    raised = False
+    while pool._next < request:
+        pool._next, raised = pool._next * 2, True
+    size = min(pool._next, available)
+    if not raised:
+        pool._next *= 2
+    return size
+
+
 class GrowingPool:
     """A pool that grows (allow_growth: lab mode's CPU allocator, a GPU with memory growth) taking
     requests it keeps, in order, from a fresh start: what regions it makes and what each request
@@ -119,15 +135,9 @@ class GrowingPool:
             taken = request if not takes_whole(self.free[k], request) else self.free[k]
             self.free[k] -= taken
             return taken
-        available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
-        if request > available:
+        size = _new_region(self, request)
+        if size is None:
             return None
-        raised = False
-        while self._next < request:
-            self._next, raised = self._next * 2, True
-        size = min(self._next, available)
-        if not raised:
-            self._next *= 2
         self.regions.append(size)
         taken = size if takes_whole(size, request) else request
         self.free.append(size - taken)
@@ -172,15 +182,9 @@ class BfcPool:
                 if not chunk[1] and chunk[0] >= request and (best is None or chunk[0] < best[2][0]):
                     best = (chunks, k, chunk)
         if best is None:
-            available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
-            if request > available:
+            size = _new_region(self, request)
+            if size is None:
                 return None
-            raised = False
-            while self._next < request:
-                self._next, raised = self._next * 2, True
-            size = min(self._next, available)
-            if not raised:
-                self._next *= 2
             self.regions.append([[size, False]])
             best = (self.regions[-1], 0, self.regions[-1][0])
         chunks, k, chunk = best

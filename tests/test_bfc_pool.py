@@ -40,6 +40,40 @@ def test_a_chunk_given_back_merges_with_free_chunks_on_both_sides():
     assert pool.take(6 * MiB)[0] == 6 * MiB   # best fit: the 16 MiB chunk split
 
 
+def test_the_smallest_free_chunk_that_holds_a_request_wins_wherever_it_is_and_regions_never_merge():
+    pool = BfcPool(128 * MiB, first_region=16 * MiB)
+    x, y = pool.take(4 * MiB), pool.take(12 * MiB)   # region 1 (16 MiB) full
+    first = pool.take(14 * MiB)                       # region 2: 32 MiB, split
+    pool.take(6 * MiB)                                # from its 18 MiB left, split
+    pool.give(x)
+    pool.give(y)                                      # region 1 one free 16 MiB chunk again
+    assert layout(pool) == [[(16, False)], [(14, True), (6, True), (12, False)]]
+    # Both free chunks hold 6 MiB: the smaller, later one is taken (best fit, not first fit)
+    pool.take(6 * MiB)
+    assert layout(pool) == [[(16, False)], [(14, True), (6, True), (6, True), (6, False)]]
+    pool.give(first)                                  # no free neighbour in its region: stays apart
+    assert layout(pool)[1] == [(14, False), (6, True), (6, True), (6, False)]
+    assert pool.take(0) == [0, False] and len(pool.regions) == 2  # no bytes, no chunk
+    # 16 MiB free in one region and 14 + 6 in the other: none holds 17 MiB, so a third region (64 MiB)
+    assert pool.take(17 * MiB)[0] == 17 * MiB and [sum(c[0] for c in r) // MiB for r in pool.regions] == [16, 32, 64]
+
+
+def test_a_pools_next_region_is_the_traces_where_one_was_raised_to_fit():
+    # One 10 MiB tensor in a fresh pool: its region raised from 2 to 16 MiB (taken whole: 16 < 20), and the
+    # next region starts from 16 MiB again (a size raised to fit is not doubled after), not twice the largest.
+    fresh = BfcPool(128 * MiB)
+    fresh.take(10 * MiB)
+    fresh.take(12 * MiB)
+    built = AllocatorMap("bfc_cpu_allocator_for_gpu", (Chunk(1 << 30, 16 * MiB, True),), (Region(1 << 30, 16 * MiB),),
+                         "trace")
+    known = BfcPool.of_map(built, 128 * MiB, next_region=16 * MiB)
+    known.take(12 * MiB)
+    guessed = BfcPool.of_map(built, 128 * MiB)
+    guessed.take(12 * MiB)
+    assert layout(known) == layout(fresh) == [[(16, True)], [(16, True)]]
+    assert layout(guessed) == [[(16, True)], [(12, True), (20, False)]]  # a 32 MiB region, split
+
+
 def full_regions(*sizes_mib: int) -> AllocatorMap:
     """A pool whose regions (these sizes, in order) are each one chunk in use."""
     regions, chunks, address = [], [], 1 << 30

@@ -207,7 +207,7 @@ class StepPlan(LinesText):
                 line += f"does not fit, {format_bytes(-spare)} short"
             elif self.growth and not self.estimate and take is None:
                 line += (f"does not fit although {format_bytes(spare)} is spare: the pool grows in regions that never "
-                         "merge, and in a fresh process's the step's largest allocation finds no room")
+                         "merge, and in a fresh process's pool a request finds no room on the way to the step's peak")
             elif not self.estimate and take is None:
                 line += (f"does not fit although {format_bytes(spare)} is spare: the pool is one region of the whole "
                          "limit (no growth), the step's largest buffer takes the rest of it whole (a free chunk is "

@@ -353,7 +353,8 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     sample = make_batch(min(low, 8))
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
-                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes),
+                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
+                                                             if share),
                                   closing_plan=closing_plan, fit_start=start)
     if start is not None:
         found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "

@@ -158,14 +158,18 @@ class BfcPool:
         self._next = rounded(min(limit_bytes, first_region))
 
     @classmethod
-    def of_map(cls, pool_map, limit_bytes: int) -> BfcPool:
-        """The pool of an AllocatorMap (complete: its regions and every chunk in them)."""
+    def of_map(cls, pool_map, limit_bytes: int, next_region: int | None = None) -> BfcPool:
+        """The pool of an AllocatorMap (complete: its regions and every chunk in them); next_region: the
+        size its next region starts from, where known (a trace's replay: a region raised to fit a request
+        or cut to the limit is not doubled after), else twice its largest."""
         pool = cls(limit_bytes)
         for region in sorted(pool_map.regions, key=lambda r: r.address):
             inside = sorted((c for c in pool_map.chunks if region.address <= c.address < region.address + region.size),
                             key=lambda c: c.address)
             pool.regions.append([[c.size, c.in_use] for c in inside])
-        if pool.regions:
+        if next_region is not None:
+            pool._next = next_region
+        elif pool.regions:
             pool._next = 2 * max(sum(c[0] for c in chunks) for chunks in pool.regions)
         return pool
 
@@ -174,7 +178,10 @@ class BfcPool:
         return sum(c[0] for chunks in self.regions for c in chunks)
 
     def take(self, request_bytes: int) -> list | None:
-        """The chunk handed out for a request (give it back with ``give``); None: no room (an OOM)."""
+        """The chunk handed out for a request (give it back with ``give``); None: no room (an OOM). A
+        request of no bytes takes nothing (the allocator returns no memory for it): an empty chunk."""
+        if request_bytes <= 0:
+            return [0, False]
         request = rounded(request_bytes)
         best = None
         for chunks in self.regions:
@@ -196,6 +203,8 @@ class BfcPool:
 
     def give(self, chunk: list) -> None:
         """A chunk taken from this pool freed: merged with a free chunk on either side."""
+        if chunk[0] == 0:
+            return
         for chunks in self.regions:
             for k, other in enumerate(chunks):
                 if other is chunk:

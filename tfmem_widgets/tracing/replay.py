@@ -100,6 +100,11 @@ class Replay:
                 return i
         return None
 
+    @property
+    def next_region_bytes(self) -> int:
+        """The size the pool's next region would start from (before doubling to fit a request)."""
+        return self._next_region
+
     # -- the allocator's moves -----------------------------------------------------------
     def _new_region(self, address: int, requested: int) -> int:
         """A region made for this request, sized by the allocator's growth rule."""

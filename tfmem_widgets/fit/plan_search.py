@@ -342,9 +342,9 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     import time
     from pathlib import Path
 
-    started = time.perf_counter()
     from .fit_start import read_fit_start
 
+    started = time.perf_counter()
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
     model, start = read_fit_start(build_model, make_batch)  # lab mode: the pool a probe's fit will meet, read
     jit = getattr(model, "jit_compile", None)

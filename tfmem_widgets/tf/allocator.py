@@ -80,19 +80,23 @@ def worst_take(request_bytes: int) -> int:
     return min(2 * request - MIN_ALLOCATION, request + MAX_WHOLE_CHUNK_EXCESS - MIN_ALLOCATION)
 
 
+def grown_region(request: int, available: int, next_size: int) -> tuple[int, int]:
+    """Extend's rule for a (rounded) request no free chunk holds: the new region's size (the next
+    size, doubled until the request fits, cut to the `available` bytes left under the limit) and the
+    next size after it (doubled again, unless it was raised to fit this request)."""
+    raised = False
+    while next_size < request:
+        next_size, raised = next_size * 2, True
+    return min(next_size, available), (next_size if raised else next_size * 2)
+
+
 def _new_region(pool, request: int) -> int | None:
-    """The size of the region a growing pool makes for a (rounded) request none of its chunks holds, its
-    next region's size moved on (Extend: doubled until the request fits, a size raised so not doubled
-    again, cut to what is left under the limit); None where the request exceeds what is left (an OOM)."""
+    """The region a growing pool (GrowingPool, BfcPool) makes for a request none of its chunks holds,
+    its next size moved on; None where the request exceeds what is left under the limit (an OOM)."""
     available = (pool.limit - pool.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
     if request > available:
         return None
-    raised = False
-    while pool._next < request:
-        pool._next, raised = pool._next * 2, True
-    size = min(pool._next, available)
-    if not raised:
-        pool._next *= 2
+    size, pool._next = grown_region(request, available, pool._next)
     return size
 
 
@@ -148,7 +152,7 @@ class BfcPool:
     """A pool chunk by chunk, from the pool as it stands (``of_map``: a trace's map) or empty: the
     regions in order, each its chunks in address order. A request takes the smallest free chunk that
     holds it, whole where the no-split rule says so (else its head, the rest left free after it), or
-    a new region by GrowingPool's rule (the next twice the largest a map holds); a chunk given back
+    a new region by Extend's rule (``grown_region``); a chunk given back
     merges with the free chunks beside it in its region. For requests that are freed as well as kept
     (a fit's data taken for a while, then its slots and its step)."""
 

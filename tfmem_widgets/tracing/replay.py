@@ -23,7 +23,7 @@ import heapq
 
 import numpy as np
 
-from ..tf.allocator import FIRST_GROWTH_REGION, MIN_ALLOCATION, fragmentation, rounded
+from ..tf.allocator import FIRST_GROWTH_REGION, MIN_ALLOCATION, fragmentation, grown_region, rounded
 from .allocator_map import AllocatorMap, Chunk, Region
 from .events import ALLOC, AllocatorEvents
 
@@ -109,14 +109,7 @@ class Replay:
     def _new_region(self, address: int, requested: int) -> int:
         """A region made for this request, sized by the allocator's growth rule."""
         available = (self.limit - self.pool_bytes) // MIN_ALLOCATION * MIN_ALLOCATION
-        request = rounded(requested)
-        increased = False
-        while request > self._next_region:
-            self._next_region *= 2
-            increased = True
-        size = min(self._next_region, available)
-        if not increased:
-            self._next_region *= 2
+        size, self._next_region = grown_region(rounded(requested), available, self._next_region)
         region = Region(address, size)
         self.region_created[address] = self.position + 1
         i = bisect.bisect_right(self._region_starts, address)

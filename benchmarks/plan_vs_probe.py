@@ -11,8 +11,9 @@
    waits, fit/need.py): its error against the GPU's measured step.
 2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
-   their ratio. Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical
-   device limit of 2000 MB, XLA's autotuner off for plans and probes alike.
+   their ratio. TensorFlow is imported here first, as in the notebook where the model was written.
+   Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical device limit of
+   2000 MB, XLA's autotuner off for plans and probes alike.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def main() -> None:
     search_setup = {"limit_mb": 2000} if args.gpu else {"lab_mb": 128}
     # On a GPU, XLA's GEMM autotuner waits minutes on refused scratch past the edge: off, for plans and probes alike.
     env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"} if args.gpu else None
+    # This process as a notebook's kernel is where the model was written: TensorFlow imported. A probe that ran
+    # out of memory is read here with TensorFlow's protobuf, and that import (3-4 s) would otherwise count
+    # in whichever search meets its first OOM first (the probe search, run first).
+    import tensorflow  # noqa: F401
+
     print("\n== what fits: the probe search and the plan search, one after the other, " + json.dumps(search_setup))
     found = {}
     for method in ("probe", "plan"):

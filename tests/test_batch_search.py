@@ -289,8 +289,8 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
         search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
         probed = []
 
-        def probe_one(batch):
-            probed.append(batch)
+        def probe_one(batch, ahead=True):
+            probed.append((batch, ahead))  # ahead: a process is started to wait for a probe after this one
             probe = Probe(batch, 1_900_000_000, 15.0) if batch <= 117_000 else Probe(batch, None, 25.0, "limit")
             search.probes.append(probe)
             return probe
@@ -299,10 +299,10 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
         return search, plan_first(search, probe_one, LineProgress(quiet=True), auto=False), probed
 
     search, then, probed = searched(119_000)
-    assert (then, probed, search.edge) == (DONE, [117_000], (117_000, 119_000))
+    assert (then, probed, search.edge) == (DONE, [(117_000, False)], (117_000, 119_000))  # the only probe: none ahead
     assert "batch 119,000 was not probed: its plan needs 1.86 GiB by its bytes alone" in repr(search)
     search, then, probed = searched(None)  # an autotuner or the pool's regions decide: the probe past it runs
-    assert (then, probed, search.edge) == (DONE, [117_000, 119_340], (117_000, 119_340))
+    assert (then, probed, search.edge) == (DONE, [(117_000, True), (119_340, False)], (117_000, 119_340))
     assert then != UP and search.planned_failure is None
 
 
@@ -333,7 +333,7 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
             search.probes.append(probe)
             return probe
 
-        def probe_one(batch):
+        def probe_one(batch, ahead=True):
             single.append(batch)
             return probe(batch)
 

@@ -103,11 +103,15 @@ def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_pat
     met.mkdir()
     warm = WarmProbes(_functions(meet=str(met)), 2, SETUP, {}, 240, ready=2)
     try:
-        small, large = warm.probe_pair(64, 512)
+        small, large = warm.probe_pair(64, 512, ahead=False)
+        time.sleep(1)  # a process started ahead would be running by now (a thread starts it)
+        assert not _children()  # ahead=False: the pair's processes ended, none waits for a probe after them
+        assert len(list(met.iterdir())) == 2  # two processes, each met the other before building its model
+        third = warm.probe(32)  # a probe after all: its process starts now (its build meets the pair's marks)
     finally:
         warm.close()
+    assert third.fits and third.limit_bytes == 64 << 20
     assert (small.batch, large.batch) == (64, 512) and small.fits and large.fits
-    assert len(list(met.iterdir())) == 2  # two processes, each met the other before building its model
     assert small.limit_bytes == large.limit_bytes == 64 << 20 and small.peak_bytes < large.peak_bytes
     assert not _children() and not warm.path.exists()
 
@@ -157,7 +161,9 @@ def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room
     assert warm.room_for_two({"limit_mb": 2000}, {}, now=False) is not None
     host(60 * GiB)
     cores(2)
-    assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # two cores: two processes gain nothing
+    assert warm.room_for_two({"limit_mb": 2000}, {}) is not None  # two cores: a pair still gains
+    cores(1)
+    assert warm.room_for_two({"limit_mb": 2000}, {}) is None  # one core: two processes only take turns
 
 
 def test_closing_a_search_ends_its_waiting_process_and_a_probe_past_its_timeout_ends_with_it():

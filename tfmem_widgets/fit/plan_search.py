@@ -438,15 +438,16 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     answer = search.plan_answer = found.batch
     step = max(1, math.ceil(answer * search.resolution))
 
-    def probe(batch: int) -> bool:
+    def probe(batch: int, ahead: bool = True) -> bool:
         progress.probing(len(search.probes) + 1, batch)
-        done = probe_one(batch)
+        done = probe_one(batch, ahead)
         progress.probed(len(search.probes), done)
         return done.fits
 
     proven = found.proven_failure
     past = min(search.high, answer + step)
-    if answer < search.high and not (proven is not None and answer < proven <= answer + step) and pair is not None:
+    last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
+    if not last and pair is not None:
         for count, batch in enumerate((answer, past), len(search.probes) + 1):
             progress.probing(count, batch)
         both = pair(answer, past)  # side by side, where the machine has room for both (else None)
@@ -457,17 +458,17 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
                 return UP if both[1].fits else DONE
             return _step_down(search, answer, step, probe)
 
-    if probe(answer):
+    if probe(answer, ahead=not last):
         if answer >= search.high:
             return DONE
-        if proven is not None and answer < proven <= answer + step:
+        if last:
             # no probe past the answer: the plan there needs more than the limit by its bytes alone
             search.planned_failure = proven
             search.notes.append(f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} "
                                 f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
                                 "takes less than its plan)")
             return DONE
-        return UP if probe(past) else DONE  # trained too: the plans were low
+        return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
     return _step_down(search, answer, step, probe)
 
 

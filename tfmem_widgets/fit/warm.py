@@ -10,7 +10,9 @@ The search's plans (fit/plan_search.py) run while the first one imports.
 
 Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
 where the machine has room for both (``room_for_two``): a plan search's answer and the batch just
-past it, one probe's time instead of two.
+past it, one probe's time instead of two. Those two are the search's last where its plans were right,
+so no process is started ahead of them (``ahead=False``): on a small machine its import would take
+the cores the two probes run on, and a probe the search needs after all starts its process then.
 
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
@@ -35,10 +37,11 @@ from .probe import Probe, probe_outcome, ran_past
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
 # its allocator's alone). Two probes side by side need their two limits and this twice.
 BESIDES_THE_POOL = 2 << 30
-# Two TensorFlow processes share the cores: on 2 (this project's small machine, lab mode) a pair of
-# probes took 5.3 s each where one alone took 4.2 s, and the second waiting process slowed the plans'
-# process by a second: no gain where the plans' answer fails and the probe past it is wasted.
-MIN_CORES = 4
+# Two TensorFlow processes share the cores. On 2 (this project's small machine, lab mode) a pair still
+# gains a little where no third process imports beside it (ahead=False): the benchmark's plan search took
+# 9.3-10.5 s with its pair, 10.5-11.9 s with the same two probes one after the other (README). On 1 core
+# they would only take turns.
+MIN_CORES = 2
 
 WARM_CODE = """
 from pathlib import Path
@@ -199,23 +202,25 @@ class WarmProbes:
             self.close()
             raise
 
-    def _take(self, count: int) -> list[_Waiting]:
-        """`count` processes to probe in (the waiting ones first), and one started to wait for the next probe."""
+    def _take(self, count: int, ahead: bool = True) -> list[_Waiting]:
+        """`count` processes to probe in (the waiting ones first); ahead: one started to wait for the next
+        probe (False: these are expected to be the last)."""
         taken = self._current = []  # each one the search's as soon as it is taken: close() ends it
         for _ in range(count):
             taken.append(self._ready.pop(0) if self._ready else _Waiting(*self._args))
-        if not self._ready:
+        if ahead and not self._ready:
             self._ready.append(_Waiting(*self._args))  # imports while these probe
         return taken
 
-    def probe(self, batch: int) -> Probe:
-        return self.probe_pair(batch)[0]
+    def probe(self, batch: int, ahead: bool = True) -> Probe:
+        return self.probe_pair(batch, ahead=ahead)[0]
 
-    def probe_pair(self, *batches: int, each=lambda probe: probe) -> list[Probe]:
+    def probe_pair(self, *batches: int, each=lambda probe: probe, ahead: bool = True) -> list[Probe]:
         """Each batch probed in a process of its own, all at once (one, or two side by side); the
         probes in order of `batches`, each handed to each() as it is read (so an error or Ctrl-C in the
-        second keeps the first's). An error in one ends the others too."""
-        processes = self._take(len(batches))
+        second keeps the first's). An error in one ends the others too. ahead=False: no process is
+        started for a probe after these (none is expected)."""
+        processes = self._take(len(batches), ahead)
         try:
             started = [process.begin(batch) for process, batch in zip(processes, batches)]
             return [each(process.probe(batch, self._timeout, begun))
@@ -236,8 +241,9 @@ class WarmProbes:
 
 @contextlib.contextmanager
 def probing(search, pairs: bool = False):
-    """While the functions' file exists: probe_one(batch), one probe of a BatchSearch's in a fresh process
-    set up like the others, added to the search's `probes`. pairs: a pair of probes is to come (a plan
+    """While the functions' file exists: probe_one(batch, ahead=True), one probe of a BatchSearch's in a
+    fresh process set up like the others, added to the search's `probes` (ahead=False: the search
+    expects no probe after it, so no process is started to wait for one). pairs: a pair of probes is to come (a plan
     search's answer and the batch past it): two processes wait, and probe_one.pair(a, b) runs both side
     by side where the machine has room for both now (room_for_two), else returns None (probe_one.pair is
     None without pairs)."""
@@ -250,15 +256,15 @@ def probing(search, pairs: bool = False):
             search.probes.append(probe)
             return probe
 
-        def probe_one(batch: int) -> Probe:
-            return taken(warm.probe(batch))
+        def probe_one(batch: int, ahead: bool = True) -> Probe:
+            return taken(warm.probe(batch, ahead))
 
         def pair(first: int, second: int) -> list[Probe] | None:
             how = room_for_two(setup, env)
             if how is None:
                 return None
             search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
-            both = warm.probe_pair(first, second, each=taken)
+            both = warm.probe_pair(first, second, each=taken, ahead=False)  # the search's last where its plans hold
             search.overlap_seconds += min(probe.seconds for probe in both)  # counted twice in the probes' sum
             return both
 

@@ -326,7 +326,7 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
 
         monkeypatch.setattr(fresh, "run_checked", planning)
         search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
-        single, pairs = [], []
+        single, pairs, aheads = [], [], []
 
         def probe(batch):
             probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
@@ -335,6 +335,7 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
 
         def probe_one(batch, ahead=True):
             single.append(batch)
+            aheads.append(ahead)  # a process started to wait for a probe after this one
             return probe(batch)
 
         def pair(first, second):
@@ -345,17 +346,18 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
 
         probe_one.path, probe_one.pair = tmp_path / "functions.pickle", pair
         then = plan_first(search, probe_one, LineProgress(quiet=True), auto=False)
-        return then, single, pairs, codes[0], search
+        return then, single, pairs, codes[0], search, aheads
 
-    then, single, pairs, code, search = searched(118_000)
+    then, single, pairs, code, search, _ = searched(118_000)
     assert (then, single, pairs, search.edge) == (DONE, [], [(117_000, 119_340)], (117_000, 119_340))
     assert "closing_plan=False" in code
-    then, single, pairs, _, _ = searched(200_000)  # both trained: the plans were low, the probes go up
+    then, single, pairs, _, _, _ = searched(200_000)  # both trained: the plans were low, the probes go up
     assert (then, single, pairs) == (UP, [], [(117_000, 119_340)])
-    then, single, pairs, _, search = searched(110_000)  # the answer failed: the probes step down from it
+    then, single, pairs, _, search, aheads = searched(110_000)  # the answer failed: the probes step down from it
     assert (then, pairs, single, search.edge) == (BETWEEN, [(117_000, 119_340)], [112_320, 102_960], (102_960, 112_320))
-    then, single, pairs, _, _ = searched(118_000, room=False)  # the card got fuller meanwhile: one after the other
-    assert (then, single, pairs) == (DONE, [117_000, 119_340], [])
+    assert aheads == [True, True]  # stepping down, more probes may follow
+    then, single, pairs, _, _, aheads = searched(118_000, room=False)  # the card got fuller: one after the other
+    assert (then, single, pairs, aheads) == (DONE, [117_000, 119_340], [], [True, False])  # none after the last
 
 
 def _model_without_xla():

@@ -116,6 +116,27 @@ def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_pat
     assert not _children() and not warm.path.exists()
 
 
+def test_a_searchs_pair_starts_no_process_for_a_probe_after_it_and_joins_its_probes(monkeypatch):
+    # Through the search's own probing(): the pair that confirms a plan search's answer is expected to be its
+    # last, so once it has run no process waits (on a small machine one would import on the pair's cores).
+    from tfmem_widgets.fit import warm
+    from tfmem_widgets.fit.search import BatchSearch
+
+    monkeypatch.setattr(warm, "room_for_two", lambda setup, env, now=True: "here")
+    search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
+                         _run=(_functions(), SETUP, {}, 240))
+    with warm.probing(search, pairs=True) as probe_one:
+        both = probe_one.pair(64, 512)
+        time.sleep(1)  # a process started for a later probe would be running by now (a thread starts it)
+        assert not _children()
+        assert probe_one(32, ahead=False).fits  # a probe after all: its process starts now, none after it
+        time.sleep(1)
+        assert not _children()
+    assert [p.batch for p in search.probes] == [64, 512, 32] and all(p.fits for p in both)
+    assert "batches 64 and 512 were probed side by side: two processes, here" in search.notes
+    assert not _children()
+
+
 def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room_for_both(monkeypatch):
     # The driver's reading is the seam (no GPU here): read_gpus as NVML would answer on a 80 GiB card.
     import tfmem_widgets.tf.nvml as nvml

@@ -386,8 +386,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                    max_probes: int = 16, progress: str | bool | None = None,
                    env: Mapping[str, str] | None = None, method: str = "auto") -> BatchSearch:
     """The largest batch `build_model()`'s model trains with, each probe in a fresh process (started
-    while the one before it runs: its imports done ahead, its setup and TensorFlow's runtime begun
-    only when its batch is known, fit/warm.py).
+    while the one before it runs, except after the probes that confirm plans, expected to be the last:
+    its imports done ahead, its setup and TensorFlow's runtime begun only when its batch is known,
+    fit/warm.py).
 
     build_model: returns a compiled Keras model (XLA as you compile it).
     make_batch:  make_batch(n) returns one batch (x, y) of exactly n examples.

@@ -11,8 +11,8 @@ The search's plans (fit/plan_search.py) run while the first one imports.
 Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
 where the machine has room for both (``room_for_two``): a plan search's answer and the batch just
 past it, one probe's time instead of two. Those two are the search's last where its plans were right,
-so no process is started ahead of them (``ahead=False``): on a small machine its import would take
-the cores the two probes run on, and a probe the search needs after all starts its process then.
+so no process is started after them for a later probe (``ahead=False``): on a small machine its import
+would take the cores the two probes run on, and a probe the search needs after all starts its process then.
 
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
@@ -37,10 +37,10 @@ from .probe import Probe, probe_outcome, ran_past
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
 # its allocator's alone). Two probes side by side need their two limits and this twice.
 BESIDES_THE_POOL = 2 << 30
-# Two TensorFlow processes share the cores. On 2 (this project's small machine, lab mode) a pair still
-# gains a little where no third process imports beside it (ahead=False): the benchmark's plan search took
-# 9.3-10.5 s with its pair, 10.5-11.9 s with the same two probes one after the other (README). On 1 core
-# they would only take turns.
+# Two TensorFlow processes share the cores. On 2 (this project's small machine, lab mode) a pair gains
+# little, where no third process imports beside it (ahead=False): the benchmark's plan search took 9.3-10.5 s
+# with its pair, 10.5-11.9 s with the two probes one after the other and one plan more (the closing plan,
+# made where no pair is; README). On 1 core they would only take turns.
 MIN_CORES = 2
 
 WARM_CODE = """
@@ -180,7 +180,8 @@ def _said(limit) -> str:
 
 
 class WarmProbes:
-    """probe(batch): one probe, in a process started ahead; the next one starts meanwhile.
+    """probe(batch): one probe, in a process started ahead; the next one starts meanwhile (ahead=False:
+    none, where no probe is expected after this one).
     probe_pair(a, b): two probes side by side, each in a process of its own. ready: how many
     processes wait at once (2 where a pair is to come, so both are imported when it does).
     close(): every process these probes started ended (waiting or probing), the functions' file

@@ -158,6 +158,9 @@ def main() -> None:
             compiles = sum(p.trace_seconds + p.compile_seconds for p in search.plans)
             print(f"       the planning process {search.plan_seconds:.1f} s, its compiles {compiles:.1f} s, at "
                   + ", ".join(f"{p.batch_size:,}" for p in search.plans))
+            print("       the probes " + ", ".join(f"{p.batch:,} {'trained' if p.fits else 'did not'} ({p.seconds:.1f} s)"
+                                               for p in search.probes)
+                  + "".join(f"; {note}" for note in search.notes if "were probed while the plan" in note))
     ratio = found["plan"][1] / found["probe"][1]
     same = abs(found["plan"][0].edge[0] - found["probe"][0].edge[0]) <= max(1, found["probe"][0].edge[0] * 0.02)
     print(f"plan / probe time: x{ratio:.2f}; the same edge within the 2% resolution: {same}")

@@ -75,7 +75,7 @@ def search_functions(width=1024, jit=False):
 # device holds besides the step's batch.
 PROBE_DATA_MODEL = """
 import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.plan_search import data_on_device
+from tfmem_widgets.fit.plan_then_probe import data_on_device
 from tfmem_widgets.fit.probe import probe_dataset
 def make_batch(n):
     return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")

@@ -279,7 +279,8 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     from types import SimpleNamespace
 
     import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_search import DONE, UP, PlanSearch, plan_first
+    from tfmem_widgets.fit.plan_search import PlanSearch
+    from tfmem_widgets.fit.plan_then_probe import DONE, UP, plan_first
     from tfmem_widgets.fit.progress import LineProgress
 
     def searched(proven):
@@ -313,7 +314,8 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
     from types import SimpleNamespace
 
     import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_search import BETWEEN, DONE, UP, PlanSearch, plan_first
+    from tfmem_widgets.fit.plan_search import PlanSearch
+    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, UP, plan_first
     from tfmem_widgets.fit.progress import LineProgress
 
     def searched(edge, room=True):
@@ -360,6 +362,78 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
     assert (then, single, pairs, aheads) == (DONE, [117_000, 119_340], [], [True, False])  # none after the last
 
 
+def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_it_says(monkeypatch, tmp_path):
+    # The planning process is the seam, as above: the fake one tells its closing plan where
+    # search_in_process does (largest_planned_batch's closing()), lets the search look (each_tick), then
+    # "compiles" and returns. probe_one.begin_pair stands for two processes begun side by side
+    # (tests/test_warm_probes.py runs them); what follows the probes is the real code.
+    from types import SimpleNamespace
+
+    import tfmem_widgets.fit.fresh as fresh
+    from tfmem_widgets.errors import FreshRunError
+    from tfmem_widgets.fit.plan_search import PlanSearch
+    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, UP, _tell, plan_first
+    from tfmem_widgets.fit.progress import LineProgress
+
+    def searched(edge, plans_answer=118_332, planning_fails=False):
+        events = []
+
+        def planning(code, **kwargs):
+            assert f"closing_aim={str(tmp_path / 'closing-aim')!r}" in code and "closing_plan=False" in code
+            kwargs["each_tick"]()  # nothing told yet: nothing begun
+            _tell(str(tmp_path / "closing-aim"), 118_332)
+            kwargs["each_tick"]()
+            kwargs["each_tick"]()  # (read once)
+            events.append("compiled")
+            if planning_fails:
+                raise FreshRunError("the fresh process was killed", how="was killed by SIGKILL (signal 9)")
+            found = PlanSearch(plans_answer, 118_440, [], 30.0, True, 2000 * 1_000_000, "logical device limit")
+            return SimpleNamespace(values={"found": found})
+
+        monkeypatch.setattr(fresh, "run_checked", planning)
+        search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
+        single = []
+
+        def probe(batch):
+            probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
+            search.probes.append(probe)
+            return probe
+
+        def probe_one(batch, ahead=True):
+            single.append(batch)
+            return probe(batch)
+
+        def begin_pair(first, second):
+            events.append(("begun", first, second))
+            return lambda: (events.append("read"), [probe(first), probe(second)])[1]
+
+        def pair(first, second):
+            raise AssertionError("the pair was begun already")
+
+        probe_one.path, probe_one.pair, probe_one.begin_pair = tmp_path / "functions.pickle", pair, begin_pair
+        then = plan_first(search, probe_one, LineProgress(quiet=True), auto=False)
+        (tmp_path / "closing-aim").unlink()
+        return then, events, single, search
+
+    then, events, single, search = searched(119_000)
+    assert events == [("begun", 118_332, 120_699), "compiled", "read"]  # begun before the plan was done
+    assert (then, single, search.edge, search.plan_answer) == (DONE, [], (118_332, 120_699), 118_332)
+    assert "batches 118,332 and 120,699 were probed while the plan at 118,332 compiled" in repr(search)
+    then, events, single, _ = searched(200_000)  # both trained: the plans were low
+    assert (then, single) == (UP, [])
+    # The plan at 118,332 did not fit after all (the plans' answer is below it) and its probe says the same:
+    # the search steps down from it as from any answer that did not train.
+    then, events, single, search = searched(110_000, plans_answer=117_000)
+    assert (then, single, search.edge, search.plan_answer) == (BETWEEN, [113_598, 104_132], (104_132, 113_598),
+                                                               117_000)
+    assert "the plan at 118,332 did not fit, the plans' answer is 117,000: the probes decide" in repr(search)
+    # The planning process died after it told its closing plan: the two probes begun stand.
+    then, events, single, search = searched(119_000, planning_fails=True)
+    assert (then, single, search.edge, search.plans) == (DONE, [], (118_332, 120_699), [])
+    assert "the plans could not be made (the process was killed by SIGKILL (signal 9)): the probes decide" in \
+        repr(search)
+
+
 def _model_without_xla():
     from types import SimpleNamespace
 
@@ -378,7 +452,7 @@ def test_auto_plans_nothing_for_a_step_without_xla_and_the_search_says_what_the_
     from types import SimpleNamespace
 
     import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_search import FROM_LOW, plan_first, search_in_process
+    from tfmem_widgets.fit.plan_then_probe import FROM_LOW, plan_first, search_in_process
     from tfmem_widgets.fit.progress import LineProgress
 
     path = tmp_path / "functions.pickle"

@@ -137,6 +137,31 @@ def test_a_searchs_pair_starts_no_process_for_a_probe_after_it_and_joins_its_pro
     assert not _children()
 
 
+def test_a_pair_begun_runs_while_the_search_does_something_else_and_is_read_after(monkeypatch, tmp_path):
+    # begin_pair: a closing plan's two probes begin while the planning process compiles it
+    # (fit/plan_then_probe.plan_first); the search's thread is free meanwhile and reads them after.
+    from tfmem_widgets.fit import warm
+    from tfmem_widgets.fit.search import BatchSearch
+
+    met = tmp_path / "met"
+    met.mkdir()
+    monkeypatch.setattr(warm, "room_for_two", lambda setup, env, now=True: "here")
+    search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
+                         _run=(_functions(meet=str(met)), SETUP, {}, 240))
+    with warm.probing(search, pairs=True) as probe_one:
+        read = probe_one.begin_pair(64, 512)
+        deadline = time.monotonic() + 120
+        while len(list(met.iterdir())) < 2 and time.monotonic() < deadline:  # both building, none read
+            time.sleep(0.1)
+        assert len(list(met.iterdir())) == 2 and search.probes == []
+        both = read()
+        time.sleep(1)  # a process started for a later probe would be running by now
+        assert not _children()
+    assert search.probes == both and [p.batch for p in both] == [64, 512] and all(p.fits for p in both)
+    assert 0 < search.overlap_seconds == min(p.seconds for p in both)  # their shared seconds counted once
+    assert not _children()
+
+
 def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room_for_both(monkeypatch):
     # The driver's reading is the seam (no GPU here): read_gpus as NVML would answer on a 80 GiB card.
     import tfmem_widgets.tf.nvml as nvml

@@ -18,7 +18,7 @@ as its batch), its iterator's copy given back, the optimizer's slots, then the s
 Not replayed: each slot's initial value, made and freed before the slot as the fit builds its
 optimizer (the plan builds the slots otherwise); on the benchmark's model the replay put the edge
 where fresh fits found it all the same (3,966 rows trained, 3,972 did not).
-On a GPU the data path differs (fit/plan_search.data_on_device) and the variables' model stands.
+On a GPU the data path differs (fit/plan_then_probe.data_on_device) and the variables' model stands.
 """
 
 from __future__ import annotations

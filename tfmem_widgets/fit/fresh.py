@@ -197,12 +197,15 @@ def run_fresh(
 def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None = None, returns: Sequence[str] = (),
                 timeout: float | None = 600, echo: bool = True, path: Sequence[str] = (),
                 remember_oom: bool = True, start_when: str | None = None,
-                on_start: Callable[[subprocess.Popen], None] | None = None) -> FreshRun:
+                on_start: Callable[[subprocess.Popen], None] | None = None,
+                each_tick: Callable[[], None] | None = None) -> FreshRun:
     """run_fresh for a setup already checked (check_request) and a timeout already read (check_timeout).
     remember_oom: an OOM the process met becomes this process's last_oom() (a batch search's probes
     leave it alone). start_when: a file; the child imports TensorFlow, Keras and IPython, starts
     nothing of TensorFlow's runtime, and waits until the file exists before its setup and code
-    (fit/warm.py). on_start(process): called once the child is started (who may kill its group)."""
+    (fit/warm.py). on_start(process): called once the child is started (who may kill its group).
+    each_tick(): called in this thread while the child runs, at least every 0.1 s (an error in it ends
+    the child)."""
     from ..tf.dump_place import DUMP_ENV, dump_files
 
     # mkdtemp, then try at once: an interrupt between the two cannot leave the folder (a
@@ -225,7 +228,7 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
             try:
                 if on_start is not None:
                     on_start(proc)
-                output, timed_out = _follow(proc, timeout, echo)
+                output, timed_out = _follow(proc, timeout, echo, each_tick)
             finally:  # Ctrl-C, an error here, or the end: nothing the child started outlives the call
                 _kill_group(proc)
                 proc.wait()
@@ -342,8 +345,10 @@ def _without_gone_path(report, work_dir: Path):
     return report
 
 
-def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[str, bool]:
-    """Show the child's output as it comes, until it ends; kill its group at the timeout.
+def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool,
+            each_tick: Callable[[], None] | None = None) -> tuple[str, bool]:
+    """Show the child's output as it comes, until it ends; kill its group at the timeout. each_tick()
+    is called between reads, at least every 0.1 s.
 
     The wait is bounded: a process it started that keeps the output open (in another session)
     gets _GRACE seconds after the child has gone. Bytes that are not UTF-8 are replaced.
@@ -364,6 +369,8 @@ def _follow(proc: subprocess.Popen, timeout: float | None, echo: bool) -> tuple[
     try:
         selector.register(fd, selectors.EVENT_READ)
         while True:
+            if each_tick is not None:
+                each_tick()
             now = time.monotonic()
             if deadline is not None and not timed_out and now >= deadline:
                 timed_out = True

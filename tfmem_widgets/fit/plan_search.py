@@ -13,11 +13,7 @@ it, and once two plans of the same layout bracket the edge, the plans between th
 (``planned_between``) say where it falls. A batch fits when its plan does (``StepPlan.fits``: the
 peak within the limit and, where the pool grows, each of the step's allocations finding room).
 
-``max_batch_size(method="plan")`` runs this in one fresh process set up like the probes, then
-confirms the answer with a probe at it and one just past it (``fit/search.py``): side by side, each
-in a process of its own, where the machine has room for both (``warm.room_for_two``); the plans then
-stop without a plan just past the answer where its shapes (or the plans between) say it fails there,
-the probe past it being the check (one compile fewer).
+A batch search runs this in a fresh process and confirms its answer by probes (fit/plan_then_probe.py).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import SetupError
 from .hlo import told_apart, widths_of
-from .plan import StepPlan, device_of, plan
+from .plan import StepPlan, plan
 from .plan_scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
 
 
@@ -58,7 +54,7 @@ FIRST_PLAN = 509
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
                           resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
-                          closing_plan: bool = True, fit_start=None) -> PlanSearch:
+                          closing_plan: bool = True, fit_start=None, closing=None) -> PlanSearch:
     """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
     device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
     holds besides the step at that plan's batch (the fit's data where it sits on the device).
@@ -72,7 +68,9 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     says so. The answer is always a plan's: across brackets of up to twice the batch the plans between
     missed the real plans' edge by 1-10% in lab mode at limits of 96-256 MB, and a plan's shapes miss
     where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
-    process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it."""
+    process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it.
+    closing(batch): called before the plan at `batch` compiles where, if it fits, the search ends at it (a
+    plan above it failed within its step): a caller may begin that batch's probes meanwhile."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -152,6 +150,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
         aim = cleared(next_aim())
     while aim is not None and len(plans) < max_plans:
+        if closing is not None and hi is not None and aim < high and hi - aim <= step(aim):
+            closing(aim)  # if it fits, it is the answer
         if fits(aim):
             lo = aim
             if aim >= high:
@@ -331,156 +331,3 @@ def _next_aim(plans: dict[int, StepPlan], lo: int, hi: int | None, limit: int, h
     # Near the edge keep a step of at least a quarter of the gap from either end, so it closes in.
     quarter = max(1, (hi - lo) // 4)
     return min(max(guess, lo + quarter), hi - quarter) if hi - lo > 2 else middle
-
-
-def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
-                      xla_only: bool = False, closing_plan: bool = True) -> PlanSearch:
-    """In a fresh process set up like the probes: build the model the user's way, then plan. xla_only
-    (method="auto"): a model whose step runs without XLA is not planned at all, only said to be so
-    (its plans would be estimates the search does not use; each costs a compile)."""
-    import pickle
-    import time
-    from pathlib import Path
-
-    from .fit_start import read_fit_start
-
-    started = time.perf_counter()
-    build_model, make_batch = pickle.loads(Path(path).read_bytes())
-    model, start = read_fit_start(build_model, make_batch)  # lab mode: the pool a probe's fit will meet, read
-    jit = getattr(model, "jit_compile", None)
-    if xla_only and jit is not True:
-        return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
-    sample = make_batch(min(low, 8))
-    share = data_on_device(make_batch, model)
-    found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
-                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
-                                                             if share),
-                                  closing_plan=closing_plan, fit_start=start)
-    if start is not None:
-        found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
-                           f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "
-                           "of the batch's bytes, measured), the optimizer's slots")
-    if share:
-        found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
-                           f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")
-    for planned in found.plans:
-        planned.notes = ()  # what goes back: figures, not the process's notes
-    return found
-
-
-def data_on_device(make_batch, model, rows: int = 256) -> float:
-    """The bytes a probe's data holds on the model's device besides the step's copy of the batch, per
-    byte of batch, measured: make_batch(rows) made into the probe's dataset (``probe.probe_dataset``).
-    On a GPU the arrays become a constant on the device, and the step takes its own copy of each batch
-    (measured on an H100: the probes' peaks stood one batch above the plans, 229 MiB at batch 114,260);
-    on the CPU (lab mode) the step reads that constant in place, so nothing is held besides (0.0)."""
-    import numpy as np
-    import tensorflow as tf
-
-    from .probe import probe_dataset
-
-    device = device_of(model)
-    if device.startswith("CPU"):
-        return 0.0
-    before = tf.config.experimental.get_memory_info(device)["current"]
-    data = make_batch(rows)
-    dataset = probe_dataset(data, 1)
-    held = tf.config.experimental.get_memory_info(device)["current"] - before
-    size = sum(np.asarray(part).nbytes for part in tf.nest.flatten(data))
-    del dataset, data
-    return max(0.0, held / size) if size else 0.0
-
-
-PLAN_CODE = """
-from tfmem_widgets.fit.plan_search import search_in_process
-found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only},
-                          closing_plan={closing_plan})
-"""
-
-
-DONE, FROM_LOW, UP, BETWEEN = "done", "from low", "up", "between"
-
-
-def plan_first(search, probe_one, progress, auto: bool) -> str:
-    """A batch search's plans (one fresh process set up like its probes), then the answer confirmed
-    by a probe at it and one just past it. Returns how the probe search goes on: DONE (the probes
-    agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
-    BETWEEN (the answer did not train, a batch below it did: the probes close in between)."""
-    from ..errors import FreshRunError
-    from ..units import format_bytes
-    from .fresh import run_checked
-
-    _, setup, env, timeout = search._run
-    started = time.perf_counter()
-    pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
-    code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
-                            resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None)
-    try:
-        run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
-                          remember_oom=False)
-    except FreshRunError as exc:
-        search.plan_seconds = time.perf_counter() - started
-        search.notes.append(f"the plans could not be made (the process {exc.how}): probes only")
-        return FROM_LOW
-    found: PlanSearch = run.values["found"]
-    search.plan_seconds = time.perf_counter() - started
-    if found.jit_compile is not True:
-        if auto:
-            search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
-                                "estimate, so the search probed only")
-            return FROM_LOW
-        search.notes.append("the model's step runs without XLA (jit_compile=False): the plans are of the same step "
-                            "under XLA, an estimate; the probes decide")
-    search.plans = found.plans
-    search.notes.extend(found.notes)
-    if found.batch is None:
-        return FROM_LOW
-    answer = search.plan_answer = found.batch
-    step = max(1, math.ceil(answer * search.resolution))
-
-    def probe(batch: int, ahead: bool = True) -> bool:
-        progress.probing(len(search.probes) + 1, batch)
-        done = probe_one(batch, ahead)
-        progress.probed(len(search.probes), done)
-        return done.fits
-
-    proven = found.proven_failure
-    past = min(search.high, answer + step)
-    last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
-    if not last and pair is not None:
-        for count, batch in enumerate((answer, past), len(search.probes) + 1):
-            progress.probing(count, batch)
-        both = pair(answer, past)  # side by side, where the machine has room for both (else None)
-        if both is not None:
-            for count, done in enumerate(both, len(search.probes) - 1):
-                progress.probed(count, done)
-            if both[0].fits:
-                return UP if both[1].fits else DONE
-            return _step_down(search, answer, step, probe)
-
-    if probe(answer, ahead=not last):
-        if answer >= search.high:
-            return DONE
-        if last:
-            # no probe past the answer: the plan there needs more than the limit by its bytes alone
-            search.planned_failure = proven
-            search.notes.append(f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} "
-                                f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
-                                "takes less than its plan)")
-            return DONE
-        return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
-    return _step_down(search, answer, step, probe)
-
-
-def _step_down(search, answer: int, step: int, probe) -> str:
-    """The answer did not train: probe below it until a batch does."""
-    # The plans were high (in a pool that grows, where its regions fall and the fit's own transients
-    # decide): step down from the answer, farther each time, until a batch trains; the probes close in
-    # between it and the smallest failure (measured in lab mode: plans 4-8% high near the edge).
-    for cut in (2 * step / answer, 0.12, 0.3):
-        below = int(answer * (1 - cut))
-        if below < search.low:
-            break
-        if probe(below):
-            return BETWEEN
-    return FROM_LOW

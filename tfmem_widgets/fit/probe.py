@@ -81,7 +81,7 @@ def _check_batch(data, batch: int) -> str | None:
 def probe_dataset(data, steps: int):
     """The data a probe fits on: make_batch's arrays as one element, repeated for each step (Keras'
     array adapter makes its dataset with from_tensors too). On a GPU the arrays become a constant on
-    the device, held through the fit besides the step's own copy of the batch (fit/plan_search.py)."""
+    the device, held through the fit besides the step's own copy of the batch (fit/plan_then_probe.py)."""
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)

@@ -454,7 +454,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         probe_past = True
         try:
             if method != "probe":
-                from .plan_search import BETWEEN, DONE, UP, plan_first
+                from .plan_then_probe import BETWEEN, DONE, UP, plan_first
 
                 then = plan_first(search, probe_one, bar, auto=method == "auto")
                 probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already

@@ -6,13 +6,15 @@ ahead: it imports TensorFlow, Keras and IPython and waits, starting nothing of T
 runtime (no device made, no memory taken: a GPU's default limit is read when its probe begins, as
 in a cold probe, and a waiting process holds nothing on the card). When the batch is known the
 process goes on exactly as a cold probe does, from its setup on; meanwhile the next one starts.
-The search's plans (fit/plan_search.py) run while the first one imports.
+The search's plans (fit/plan_then_probe.py) run while the first one imports.
 
 Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
 where the machine has room for both (``room_for_two``): a plan search's answer and the batch just
 past it, one probe's time instead of two. Those two are the search's last where its plans were right,
 so no process is started after them for a later probe (``ahead=False``): on a small machine its import
 would take the cores the two probes run on, and a probe the search needs after all starts its process then.
+``begin`` starts them and returns what reads them: a plan search's pair may begin while its last plan
+compiles.
 
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
@@ -206,9 +208,10 @@ class WarmProbes:
     def _take(self, count: int, ahead: bool = True) -> list[_Waiting]:
         """`count` processes to probe in (the waiting ones first); ahead: one started to wait for the next
         probe (False: these are expected to be the last)."""
-        taken = self._current = []  # each one the search's as soon as it is taken: close() ends it
+        taken = []
         for _ in range(count):
             taken.append(self._ready.pop(0) if self._ready else _Waiting(*self._args))
+            self._current.append(taken[-1])  # the search's as soon as it is taken: close() ends it
         if ahead and not self._ready:
             self._ready.append(_Waiting(*self._args))  # imports while these probe
         return taken
@@ -221,17 +224,36 @@ class WarmProbes:
         probes in order of `batches`, each handed to each() as it is read (so an error or Ctrl-C in the
         second keeps the first's). An error in one ends the others too. ahead=False: no process is
         started for a probe after these (none is expected)."""
+        return self.begin(*batches, ahead=ahead)(each)
+
+    def begin(self, *batches: int, ahead: bool = True):
+        """probe_pair's probes begun now; returns read(each=lambda probe: probe), which waits for them
+        and returns them as probe_pair does. Until read, they run beside whatever this process does."""
         processes = self._take(len(batches), ahead)
+
+        def ended(killed: bool) -> None:
+            if killed:  # Ctrl-C or an error: the probes in flight end with it
+                for process in processes:
+                    process.kill()
+            self._current = [w for w in self._current if w not in processes]
+
         try:
             started = [process.begin(batch) for process, batch in zip(processes, batches)]
-            return [each(process.probe(batch, self._timeout, begun))
-                    for process, batch, begun in zip(processes, batches, started)]
-        except BaseException:  # Ctrl-C or an error here: the probes in flight end with it
-            for process in processes:
-                process.kill()
+        except BaseException:
+            ended(killed=True)
             raise
-        finally:
-            self._current = []
+
+        def read(each=lambda probe: probe) -> list[Probe]:
+            try:
+                probes = [each(process.probe(batch, self._timeout, begun))
+                          for process, batch, begun in zip(processes, batches, started)]
+            except BaseException:
+                ended(killed=True)
+                raise
+            ended(killed=False)
+            return probes
+
+        return read
 
     def close(self) -> None:
         for waiting in (*self._current, *self._ready):
@@ -247,7 +269,8 @@ def probing(search, pairs: bool = False):
     expects no probe after it, so no process is started to wait for one). pairs: a pair of probes is to come (a plan
     search's answer and the batch past it): two processes wait, and probe_one.pair(a, b) runs both side
     by side where the machine has room for both now (room_for_two), else returns None (probe_one.pair is
-    None without pairs)."""
+    None without pairs); probe_one.begin_pair(a, b) begins them and returns a function that waits for
+    both (None where there is no room), so they run while this process does something else."""
     functions, setup, env, timeout = search._run
     warm = WarmProbes(functions, search.steps, setup, env, timeout, ready=2 if pairs else 1)
     try:
@@ -260,17 +283,27 @@ def probing(search, pairs: bool = False):
         def probe_one(batch: int, ahead: bool = True) -> Probe:
             return taken(warm.probe(batch, ahead))
 
-        def pair(first: int, second: int) -> list[Probe] | None:
+        def begin_pair(first: int, second: int):
             how = room_for_two(setup, env)
             if how is None:
                 return None
             search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
-            both = warm.probe_pair(first, second, each=taken, ahead=False)  # the search's last where its plans hold
-            search.overlap_seconds += min(probe.seconds for probe in both)  # counted twice in the probes' sum
+            read = warm.begin(first, second, ahead=False)  # the search's last where its plans hold
+
+            def both() -> list[Probe]:
+                probes = read(each=taken)
+                search.overlap_seconds += min(probe.seconds for probe in probes)  # counted twice in the probes' sum
+                return probes
+
             return both
+
+        def pair(first: int, second: int) -> list[Probe] | None:
+            both = begin_pair(first, second)
+            return None if both is None else both()
 
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
         probe_one.pair = pair if pairs else None
+        probe_one.begin_pair = begin_pair if pairs else None
         yield probe_one
     finally:
         warm.close()  # every process it started ended, the functions' file removed

@@ -1,0 +1,240 @@
+"""A batch search that plans first: the plans in one fresh process, then probes that confirm them.
+
+``max_batch_size(method="plan")`` runs ``plan_search.largest_planned_batch`` in one fresh process set
+up like the probes, then confirms the answer with a probe at it and one just past it
+(``fit/search.py``): side by side, each in a process of its own, where the machine has room for both
+(``warm.room_for_two``); the plans then stop without a plan just past the answer where its shapes (or
+the plans between) say it fails there, the probe past it being the check (one compile fewer). Where
+the plans close in from above (a plan failed, and the next lies within a step below it: if it fits,
+it is the answer), the two probes begin as that plan compiles (``largest_planned_batch``'s
+`closing`): on a GPU a compile near the edge takes seconds, and the probes stand whatever the plan
+then says.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from .plan import device_of
+from .plan_search import PlanSearch, largest_planned_batch
+
+
+def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
+                      xla_only: bool = False, closing_plan: bool = True, closing_aim: str | None = None) -> PlanSearch:
+    """In a fresh process set up like the probes: build the model the user's way, then plan. xla_only
+    (method="auto"): a model whose step runs without XLA is not planned at all, only said to be so
+    (its plans would be estimates the search does not use; each costs a compile). closing_aim: a file
+    where the batch of a closing plan (largest_planned_batch's `closing`) is written as it compiles, for
+    the search to begin its probes meanwhile."""
+    import pickle
+    import time
+    from pathlib import Path
+
+    from .fit_start import read_fit_start
+
+    started = time.perf_counter()
+    build_model, make_batch = pickle.loads(Path(path).read_bytes())
+    model, start = read_fit_start(build_model, make_batch)  # lab mode: the pool a probe's fit will meet, read
+    jit = getattr(model, "jit_compile", None)
+    if xla_only and jit is not True:
+        return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
+    sample = make_batch(min(low, 8))
+    share = data_on_device(make_batch, model)
+    found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
+                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
+                                                             if share),
+                                  closing_plan=closing_plan, fit_start=start,
+                                  closing=None if closing_aim is None else lambda batch: _tell(closing_aim, batch))
+    if start is not None:
+        found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
+                           f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "
+                           "of the batch's bytes, measured), the optimizer's slots")
+    if share:
+        found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
+                           f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")
+    for planned in found.plans:
+        planned.notes = ()  # what goes back: figures, not the process's notes
+    return found
+
+
+def _tell(path: str, batch: int) -> None:
+    """`batch` written to `path` whole, at once: the reader never sees half a number."""
+    from pathlib import Path
+
+    written = Path(path + ".part")
+    written.write_text(str(batch))
+    written.replace(path)
+
+
+def data_on_device(make_batch, model, rows: int = 256) -> float:
+    """The bytes a probe's data holds on the model's device besides the step's copy of the batch, per
+    byte of batch, measured: make_batch(rows) made into the probe's dataset (``probe.probe_dataset``).
+    On a GPU the arrays become a constant on the device, and the step takes its own copy of each batch
+    (measured on an H100: the probes' peaks stood one batch above the plans, 229 MiB at batch 114,260);
+    on the CPU (lab mode) the step reads that constant in place, so nothing is held besides (0.0)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from .probe import probe_dataset
+
+    device = device_of(model)
+    if device.startswith("CPU"):
+        return 0.0
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    data = make_batch(rows)
+    dataset = probe_dataset(data, 1)
+    held = tf.config.experimental.get_memory_info(device)["current"] - before
+    size = sum(np.asarray(part).nbytes for part in tf.nest.flatten(data))
+    del dataset, data
+    return max(0.0, held / size) if size else 0.0
+
+
+PLAN_CODE = """
+from tfmem_widgets.fit.plan_then_probe import search_in_process
+found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only},
+                          closing_plan={closing_plan}, closing_aim={closing_aim!r})
+"""
+
+
+DONE, FROM_LOW, UP, BETWEEN = "done", "from low", "up", "between"
+
+
+def plan_first(search, probe_one, progress, auto: bool) -> str:
+    """A batch search's plans (one fresh process set up like its probes), then the answer confirmed
+    by a probe at it and one just past it. Returns how the probe search goes on: DONE (the probes
+    agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
+    BETWEEN (the answer did not train, a batch below it did: the probes close in between).
+
+    Where the two probes can run side by side, they begin as soon as the plans' answer is all but
+    known: when the planning process starts a closing plan (a plan above it failed within its step,
+    so if it fits it is the answer), its two probes run while it compiles (on a GPU a compile near
+    the edge takes seconds). Its probes stand whatever that plan says: where it does not fit, the probe
+    at it says the same, and the search steps down from it as from any answer that did not train."""
+    from ..errors import FreshRunError
+    from ..units import format_bytes
+    from .fresh import run_checked
+
+    _, setup, env, timeout = search._run
+    started = time.perf_counter()
+    pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
+    begin_pair = getattr(probe_one, "begin_pair", None)  # the same, begun now, read later
+    aim_file = Path(probe_one.path).with_name("closing-aim")
+
+    def step_of(batch: int) -> int:
+        return max(1, math.ceil(batch * search.resolution))
+
+    early: dict = {}  # the pair begun while the closing plan compiles: its batches, when, how to read it
+
+    def closing_begun() -> None:  # (called while the planning process runs, every 0.1 s)
+        if early or begin_pair is None or not aim_file.exists():
+            return
+        aim = int(aim_file.read_text())
+        early["batches"] = (aim, min(search.high, aim + step_of(aim)))
+        if early["batches"][1] > aim:
+            for count, batch in enumerate(early["batches"], len(search.probes) + 1):
+                progress.probing(count, batch)
+            early["at"] = time.perf_counter()
+            early["read"] = begin_pair(*early["batches"])  # None: no room for two now, the plans go on alone
+
+    code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
+                            resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None,
+                            closing_aim=None if begin_pair is None else str(aim_file))
+    failed = None
+    try:
+        run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
+                          remember_oom=False, each_tick=closing_begun)
+    except FreshRunError as exc:
+        failed = exc
+    search.plan_seconds = time.perf_counter() - started
+    both = early["read"]() if early.get("read") is not None else None  # begun while the plans went on: they stand
+    if both is not None:
+        for count, done in enumerate(both, len(search.probes) - 1):
+            progress.probed(count, done)
+        # the seconds the pair ran beside the planning process, counted once in the search's time
+        search.overlap_seconds += min(started + search.plan_seconds - early["at"], max(p.seconds for p in both))
+        answer = early["batches"][0]
+        search.notes.append(f"batches {answer:,} and {early['batches'][1]:,} were probed while the plan at "
+                            f"{answer:,} compiled: if it fitted, it was the plans' answer")
+    if failed is not None:
+        search.notes.append(f"the plans could not be made (the process {failed.how}): "
+                            + ("probes only" if both is None else "the probes decide"))
+        if both is None:
+            return FROM_LOW
+    else:
+        found: PlanSearch = run.values["found"]
+        if found.jit_compile is not True:
+            if auto:
+                search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
+                                    "estimate, so the search probed only")
+                return FROM_LOW
+            search.notes.append("the model's step runs without XLA (jit_compile=False): the plans are of the same "
+                                "step under XLA, an estimate; the probes decide")
+        search.plans = found.plans
+        search.notes.extend(found.notes)
+        search.plan_answer = found.batch
+    if both is not None:
+        answer = early["batches"][0]
+        if search.plan_answer is not None and search.plan_answer != answer:
+            search.notes.append(f"the plan at {answer:,} did not fit, the plans' answer is {search.plan_answer:,}: "
+                                "the probes decide")
+        if both[0].fits:
+            return UP if both[1].fits else DONE
+        return _step_down(search, answer, step_of(answer), _probe_with(search, probe_one, progress))
+    if found.batch is None:
+        return FROM_LOW
+    answer = found.batch
+    step = step_of(answer)
+    probe = _probe_with(search, probe_one, progress)
+    proven = found.proven_failure
+    past = min(search.high, answer + step)
+    last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
+    if not last and pair is not None:
+        for count, batch in enumerate((answer, past), len(search.probes) + 1):
+            progress.probing(count, batch)
+        both = pair(answer, past)  # side by side, where the machine has room for both (else None)
+        if both is not None:
+            for count, done in enumerate(both, len(search.probes) - 1):
+                progress.probed(count, done)
+            if both[0].fits:
+                return UP if both[1].fits else DONE
+            return _step_down(search, answer, step, probe)
+
+    if probe(answer, ahead=not last):
+        if answer >= search.high:
+            return DONE
+        if last:
+            # no probe past the answer: the plan there needs more than the limit by its bytes alone
+            search.planned_failure = proven
+            search.notes.append(f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} "
+                                f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
+                                "takes less than its plan)")
+            return DONE
+        return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
+    return _step_down(search, answer, step, probe)
+
+
+def _probe_with(search, probe_one, progress):
+    """probe(batch, ahead=True): one probe, shown by the search's progress; whether it trained."""
+    def probe(batch: int, ahead: bool = True) -> bool:
+        progress.probing(len(search.probes) + 1, batch)
+        done = probe_one(batch, ahead)
+        progress.probed(len(search.probes), done)
+        return done.fits
+
+    return probe
+
+
+def _step_down(search, answer: int, step: int, probe) -> str:
+    """The answer did not train: probe below it until a batch does."""
+    # The plans were high (in a pool that grows, where its regions fall and the fit's own transients
+    # decide): step down from the answer, farther each time, until a batch trains; the probes close in
+    # between it and the smallest failure (measured in lab mode: plans 4-8% high near the edge).
+    for cut in (2 * step / answer, 0.12, 0.3):
+        below = int(answer * (1 - cut))
+        if below < search.low:
+            break
+        if probe(below):
+            return BETWEEN
+    return FROM_LOW

@@ -265,3 +265,20 @@ def test_an_oom_after_a_chunk_handed_out_whole_says_so_and_the_limit_it_needs():
     plain = OomReport("GPU_0_bfc", "Out of memory while trying to allocate 4B.", 256, exact, H100_LIMIT,
                       "logical device limit", 80 * 1024 * MiB, "card", xla=True)
     assert plain.whole_chunk() is None and "a chunk handed out whole" not in repr(plain)
+
+
+def test_a_fresh_fits_first_step_holds_each_shared_slot_buffer_and_writes_the_slots_their_own_after_the_step():
+    # StepPlan.shared_slots (a batch search's plans of a fresh fit: plan.slots_shared_by_fit): the two kernels'
+    # momentum and velocity each start from one buffer; before the step the pool holds one chunk of each, and
+    # after the step's allocations each slot gets its own (tests/test_plan.py measures both in lab mode).
+    planned = replace(_h100_plan(growth=True), shared_slots=((6, 12), (8, 14)))
+    held = planned.batch_sizes
+    rest, fresh = planned.held_before_step()
+    slots = planned.resident_sizes[planned.weight_count:]
+    assert len(rest) == len(slots) - 2 and fresh == (512 * 1024 * 4,) * 2 + (1024 * 1024 * 4,) * 2
+    assert planned.first_step_bytes == 512 * 1024 * 4 + 1024 * 1024 * 4
+    # The peak of that first step: the plan's, and the two shared buffers while the step writes the slots' own.
+    edge = planned.peak_bytes + sum(held)
+    alone = replace(planned, shared_slots=())
+    assert alone.fits(edge + MiB, held, regions=False) and not planned.fits(edge + MiB, held, regions=False)
+    assert planned.fits(edge + planned.first_step_bytes, held, regions=False)

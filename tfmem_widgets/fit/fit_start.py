@@ -15,9 +15,9 @@ fits, and fresh fits failed from 3,972 rows.
 and what the probe's data takes for a while as its iterator starts. ``FitStart.take`` replays it
 chunk by chunk (``tf/allocator.BfcPool``): that pool, the data (on a CPU the step reads it in place
 as its batch), its iterator's copy given back, the optimizer's slots, then the step's allocations.
-Not replayed: each slot's initial value, made and freed before the slot as the fit builds its
-optimizer (the plan builds the slots otherwise); on the benchmark's model the replay put the edge
-where fresh fits found it all the same (3,966 rows trained, 3,972 did not).
+The slots as fit builds them: those of one shape and dtype share one buffer until the first step, which
+writes each its own after the step's allocations (``StepPlan.shared_slots``; a convolution model under a
+256 MB lab limit failed there, on a 2.25 MiB slot after its step had taken a free chunk whole).
 On a GPU the data path differs (fit/plan_then_probe.data_on_device) and the variables' model stands.
 """
 
@@ -47,11 +47,14 @@ class FitStart:
             return None
         for chunk in passing:
             pool.give(chunk)
-        for size in planned.resident_sizes[planned.weight_count:]:  # the optimizer's slots, made as fit begins
+        rest, fresh = planned.held_before_step()
+        for size in rest:  # the optimizer's slots, made as fit begins (those of one shape sharing one buffer)
             if pool.take(size) is None:
                 return None
         taken = [pool.take(size) for size in planned.step_allocations]
-        return None if None in taken else sum(chunk[0] for chunk in taken)
+        if None in taken or any(pool.take(size) is None for size in fresh):  # each shared slot its own buffer
+            return None
+        return sum(chunk[0] for chunk in taken)
 
 
 def read_fit_start(build_model, make_batch, rows: int = 256):

@@ -66,6 +66,14 @@ class StepPlan(LinesText):
     # the pool a fresh process's fit meets at its first step, where a search read it (fit/fit_start.py: lab mode)
     fit_start: object | None = None
     notes: tuple[str, ...] = field(default=())
+    # Where a fit builds the optimizer's slots itself (a batch search's fresh process: slots_shared_by_fit),
+    # groups of them (indices into resident_sizes) that start from one buffer. Fit initializes them in one
+    # graph function, whose equal constants TensorFlow merges: the slots of one shape and dtype (Adam's
+    # momentum and velocity of each kernel, of every kernel so shaped) share one tensor, and XLA, which may
+    # update a variable in place only when its buffer is its own, writes each its own buffer at the first
+    # step, after the step's own allocations (traced in lab mode: a Dense step's 66 MiB, then 2, 2, 4 and
+    # 4 MiB for the two kernels' momentums and velocities).
+    shared_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
     def same_program_anywhere(self) -> bool:
@@ -87,6 +95,20 @@ class StepPlan(LinesText):
     def worst_peak_bytes(self) -> int:
         return self.resident_bytes + self.batch_bytes + self.worst_take_bytes
 
+    @property
+    def first_step_bytes(self) -> int:
+        """What a fit's first step holds beyond peak_bytes where fit builds the optimizer's slots: each
+        shared buffer of shared_slots, held until the step has written every slot of it a buffer of its own."""
+        return sum(self.resident_sizes[group[0]] for group in self.shared_slots)
+
+    def held_before_step(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the variables after the weights as a fit holds them before its first step: one buffer for each group
+        of shared_slots; the slots' own buffers the first step writes after its allocations)."""
+        rest = range(self.weight_count, len(self.resident_sizes))
+        later = {i for group in self.shared_slots for i in group[1:]}
+        fresh = tuple(self.resident_sizes[i] for group in self.shared_slots for i in group)
+        return tuple(self.resident_sizes[i] for i in rest if i not in later), fresh
+
     def by_layer(self) -> LayerAnatomy:
         """The step's bytes live at its peak by Keras layer and phase (forward activations,
         gradients, optimizer update); the model's variables are resident_parts."""
@@ -107,11 +129,14 @@ class StepPlan(LinesText):
             return self.fit_start.take(self, limit, held)
         pool = GrowingPool(limit) if self.growth else GrowingPool(limit, first_region=limit)
         weights = self.resident_sizes[:self.weight_count]
-        for size in (*weights, *held, *self.resident_sizes[self.weight_count:], *self.batch_sizes):
+        rest, fresh = self.held_before_step()
+        for size in (*weights, *held, *rest, *self.batch_sizes):
             if pool.take(size) is None:
                 return None
         taken = [pool.take(size) for size in self.step_allocations]
-        return None if None in taken else sum(taken)
+        if None in taken or any(pool.take(size) is None for size in fresh):
+            return None
+        return sum(taken)
 
     def take_bytes(self, pool, limit_bytes: int | None = None) -> int | None:
         """What the allocator hands out for the step in a pool as it is now: `pool` is an AllocatorMap
@@ -154,7 +179,7 @@ class StepPlan(LinesText):
         a graph step, which asks for each tensor apart where XLA asks for its temporaries as one buffer
         (None: as the step runs)."""
         limit = self._limit(limit_bytes)
-        if self.peak_bytes + sum(held) > limit:
+        if self.peak_bytes + self.first_step_bytes + sum(held) > limit:
             return False
         if regions is None:
             regions = not self.estimate
@@ -164,7 +189,7 @@ class StepPlan(LinesText):
         """The least limit, to a MiB, under which fits() holds: the peak with `held` where the pool
         places every allocation, more where a buffer takes a whole chunk (the no-split rule) or a
         region falls short; searched up from the peak by doubling steps, then halved back."""
-        need = -(-(self.peak_bytes + sum(held)) // MiB) * MiB
+        need = -(-(self.peak_bytes + self.first_step_bytes + sum(held)) // MiB) * MiB
         if self.fits(need, held, regions):
             return need
         low, step = need, MiB
@@ -227,6 +252,9 @@ class StepPlan(LinesText):
             out += ["  " + line for line in self.layers.lines(top=8)]
         if self.built:
             out.append(f"  note: built as fit builds it before its first step: {', '.join(self.built)}")
+        if self.first_step_bytes:
+            out.append(f"  note: a fit's first step holds {format_bytes(self.first_step_bytes)} more: the optimizer's "
+                       f"slots of one shape start from one buffer, and the step writes each its own")
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -445,3 +473,13 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
         weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]))
+
+
+def slots_shared_by_fit(model, planned: StepPlan) -> tuple[tuple[int, ...], ...]:
+    """StepPlan.shared_slots for a fit that builds the optimizer's slots itself (a fresh process's, where
+    build_model() left them unbuilt; plan() builds them one by one, each its own buffer): the optimizer's
+    variables grouped by shape and dtype, as indices into planned.resident_sizes, the groups of two or more."""
+    groups: dict[tuple, list[int]] = {}
+    for i, variable in enumerate(model.optimizer.variables, planned.weight_count):
+        groups.setdefault((tuple(int(d) for d in variable.shape), str(variable.dtype)), []).append(i)
+    return tuple(tuple(group) for group in groups.values() if len(group) > 1)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import SetupError
 from .hlo import told_apart, widths_of
-from .plan import StepPlan, plan
+from .plan import StepPlan, plan, slots_shared_by_fit
 from .plan_scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
 
 
@@ -54,7 +54,8 @@ FIRST_PLAN = 509
 
 def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
                           resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
-                          closing_plan: bool = True, fit_start=None, closing=None) -> PlanSearch:
+                          closing_plan: bool = True, fit_start=None, closing=None,
+                          fit_builds_slots: bool = False) -> PlanSearch:
     """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
     device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
     holds besides the step at that plan's batch (the fit's data where it sits on the device).
@@ -70,7 +71,9 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
     process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it.
     closing(batch): called before the plan at `batch` compiles where, if it fits, the search ends at it (a
-    plan above it failed within its step): a caller may begin that batch's probes meanwhile."""
+    plan above it failed within its step): a caller may begin that batch's probes meanwhile.
+    fit_builds_slots: the fit each plan stands for builds the optimizer's slots itself (a fresh process's,
+    where build_model() left them unbuilt): its first step as plan.slots_shared_by_fit says."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {}
     notes: list[str] = []
@@ -78,7 +81,9 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     def at(batch: int) -> StepPlan | None:
         if batch not in plans:
             try:
-                plans[batch] = replace(plan(model, sample, batch), fit_start=fit_start)
+                planned = plan(model, sample, batch)
+                shared = slots_shared_by_fit(model, planned) if fit_builds_slots else ()
+                plans[batch] = replace(planned, fit_start=fit_start, shared_slots=shared)
             except SetupError as exc:  # XLA could not compile it (an autotuner without room): not fitting
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return None

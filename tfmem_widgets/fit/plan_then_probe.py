@@ -41,12 +41,14 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     if xla_only and jit is not True:
         return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
     sample = make_batch(min(low, 8))
+    fit_builds_slots = not getattr(getattr(model, "optimizer", None), "built", True)  # as a probe's fit will
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
                                   held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
                                                              if share),
                                   closing_plan=closing_plan, fit_start=start,
-                                  closing=None if closing_aim is None else lambda batch: _tell(closing_aim, batch))
+                                  closing=None if closing_aim is None else lambda batch: _tell(closing_aim, batch),
+                                  fit_builds_slots=fit_builds_slots)
     if start is not None:
         found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
                            f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "

@@ -72,7 +72,8 @@ class StepPlan(LinesText):
     # momentum and velocity of each kernel, of every kernel so shaped) share one tensor, and XLA, which may
     # update a variable in place only when its buffer is its own, writes each its own buffer at the first
     # step, after the step's own allocations (traced in lab mode: a Dense step's 66 MiB, then 2, 2, 4 and
-    # 4 MiB for the two kernels' momentums and velocities).
+    # 4 MiB for the two kernels' momentums and velocities). On an H200 the same first step asked for its own
+    # allocations alone: a search sets these for plans on the CPU only (fit/plan_then_probe.py).
     shared_slots: tuple[tuple[int, ...], ...] = ()
 
     @property

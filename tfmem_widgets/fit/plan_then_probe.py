@@ -41,7 +41,9 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     if xla_only and jit is not True:
         return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
     sample = make_batch(min(low, 8))
-    fit_builds_slots = not getattr(getattr(model, "optimizer", None), "built", True)  # as a probe's fit will
+    # A probe's fit builds the slots itself where build_model() left them unbuilt; on the CPU (lab mode) its first
+    # step then writes the slots that shared a buffer their own (plan.slots_shared_by_fit), on an H200 it did not.
+    fit_builds_slots = device_of(model).startswith("CPU") and not getattr(model.optimizer, "built", True)
     share = data_on_device(make_batch, model)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
                                   held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes

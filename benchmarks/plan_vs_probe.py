@@ -1,6 +1,6 @@
 """Plans against measured steps, and what fits from plans against the probe search, side by side.
 
-    .venv/bin/python benchmarks/plan_vs_probe.py [--gpu] [--skip-search]
+    .venv/bin/python benchmarks/plan_vs_probe.py [--gpu] [--skip-search] [--skip-steps] [--search conv]
 
 1. For a Dense, an attention and a convolution model compiled with jit_compile=True, one fresh
    process each: tfmem_widgets.plan() at three batches, then the same step run by Keras' own train
@@ -13,7 +13,9 @@
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
    their ratio. TensorFlow is imported here first, as in the notebook where the model was written.
    Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical device limit of
-   2000 MB, XLA's autotuner off for plans and probes alike.
+   2000 MB, XLA's autotuner off for plans and probes alike. --search conv: a convolution model
+   (Conv2D 128-256-256 on 32x32x3, Adam) under a 256 MB lab instead, whose step's temporaries take a
+   free chunk whole at the edge (lab mode only).
 """
 
 from __future__ import annotations
@@ -93,6 +95,22 @@ for batch in batches:
 print("ROWS " + json.dumps(rows))
 '''
 
+CONV_SEARCH_MODEL = '''
+def build_model():
+    import keras
+    L = keras.layers
+    model = keras.Sequential([keras.Input((32, 32, 3)), L.Conv2D(128, 3, padding="same", activation="relu"),
+                              L.Conv2D(256, 3, padding="same", activation="relu"),
+                              L.Conv2D(256, 3, padding="same", activation="relu"),
+                              L.GlobalAveragePooling2D(), L.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    return model
+
+def make_batch(n):
+    import numpy as np
+    return np.ones((n, 32, 32, 3), "float32"), np.zeros((n,), "int32")
+'''
+
 SEARCH_MODEL = '''
 def build_model():
     import keras
@@ -112,7 +130,10 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--skip-search", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--search", choices=("dense", "conv"), default="dense")
     args = parser.parse_args()
+    if args.gpu and args.search == "conv":
+        parser.error("--search conv runs in lab mode only")
     setup = {"growth": True} if args.gpu else {"lab_mb": 1024}
     device = "GPU:0" if args.gpu else "CPU:0"
     import os
@@ -134,8 +155,8 @@ def main() -> None:
     if args.skip_search:
         return
     namespace: dict = {}
-    exec(SEARCH_MODEL, namespace)
-    search_setup = {"limit_mb": 2000} if args.gpu else {"lab_mb": 128}
+    exec(CONV_SEARCH_MODEL if args.search == "conv" else SEARCH_MODEL, namespace)
+    search_setup = {"limit_mb": 2000} if args.gpu else {"lab_mb": 256 if args.search == "conv" else 128}
     # On a GPU, XLA's GEMM autotuner waits minutes on refused scratch past the edge: off, for plans and probes alike.
     env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"} if args.gpu else None
     # This process as a notebook's kernel is where the model was written: TensorFlow imported. A probe that ran

@@ -307,6 +307,25 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     assert then != UP and search.planned_failure is None
 
 
+def _gpu_probes(search, edge):
+    """Made-up probes (a fresh process each stands behind the real ones): a batch up to `edge` trains, one above
+    it runs out of memory. Returns probe(batch), probe_one(batch, ahead=True) as warm.probing gives it, the
+    batches probe_one probed, and their `ahead` flags (a process started to wait for a probe after each)."""
+    single, aheads = [], []
+
+    def probe(batch):
+        probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
+        search.probes.append(probe)
+        return probe
+
+    def probe_one(batch, ahead=True):
+        single.append(batch)
+        aheads.append(ahead)
+        return probe(batch)
+
+    return probe, probe_one, single, aheads
+
+
 def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_there_is_room(monkeypatch, tmp_path):
     # The planning process is the seam, as above; probe_one.pair stands for two processes side by side
     # (tests/test_warm_probes.py runs them): where it runs the pair, the plans stop without a plan past
@@ -328,17 +347,8 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
 
         monkeypatch.setattr(fresh, "run_checked", planning)
         search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
-        single, pairs, aheads = [], [], []
-
-        def probe(batch):
-            probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
-            search.probes.append(probe)
-            return probe
-
-        def probe_one(batch, ahead=True):
-            single.append(batch)
-            aheads.append(ahead)  # a process started to wait for a probe after this one
-            return probe(batch)
+        probe, probe_one, single, aheads = _gpu_probes(search, edge)
+        pairs = []
 
         def pair(first, second):
             if not room:
@@ -392,16 +402,7 @@ def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_i
 
         monkeypatch.setattr(fresh, "run_checked", planning)
         search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
-        single = []
-
-        def probe(batch):
-            probe = Probe(batch, 1_900_000_000, 15.0) if batch <= edge else Probe(batch, None, 25.0, "limit")
-            search.probes.append(probe)
-            return probe
-
-        def probe_one(batch, ahead=True):
-            single.append(batch)
-            return probe(batch)
+        probe, probe_one, single, _ = _gpu_probes(search, edge)
 
         def begin_pair(first, second):
             events.append(("begun", first, second))

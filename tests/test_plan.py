@@ -344,26 +344,19 @@ def test_a_fresh_fits_first_step_writes_each_slot_that_shared_its_first_buffer_i
     assert set(second) <= set(out["step"]), out  # the step's own allocations, no slot's
 
 
-def _conv_search_functions():
-    """A convolution model whose step's temporaries take a free chunk whole at the edge under a 256 MB lab:
-    defined inside a function, as in a notebook, so they travel to a probe's process by value."""
-    def build_model():
-        import keras
+def _benchmark_search(name: str):
+    """build_model and make_batch of one of benchmarks/plan_vs_probe.py's search models (a text run here, so they
+    travel to a probe's process by value)."""
+    import importlib.util
+    from pathlib import Path
 
-        L = keras.layers
-        model = keras.Sequential([keras.Input((32, 32, 3)), L.Conv2D(128, 3, padding="same", activation="relu"),
-                                  L.Conv2D(256, 3, padding="same", activation="relu"),
-                                  L.Conv2D(256, 3, padding="same", activation="relu"),
-                                  L.GlobalAveragePooling2D(), L.Dense(10)])
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
-        return model
-
-    def make_batch(n):
-        import numpy as np
-
-        return np.ones((n, 32, 32, 3), "float32"), np.zeros((n,), "int32")
-
-    return build_model, make_batch
+    spec = importlib.util.spec_from_file_location(
+        "plan_vs_probe", Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_probe.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    namespace: dict = {}
+    exec(getattr(benchmark, name), namespace)
+    return namespace["build_model"], namespace["make_batch"]
 
 
 def test_a_convolution_models_plans_meet_its_fresh_fits_where_a_slots_own_buffer_finds_no_room():
@@ -371,7 +364,7 @@ def test_a_convolution_models_plans_meet_its_fresh_fits_where_a_slots_own_buffer
     # (the no-split rule), and the first step's own buffers for the slots that shared one (2.25 MiB each for the
     # 256-by-256 kernel's) then find no room. Without that in the plans they said 39 rows fit, and the probes
     # stepped down from there; with it the plans' answer trains and the batch past it does not: two probes.
-    build_model, make_batch = _conv_search_functions()
+    build_model, make_batch = _benchmark_search("CONV_SEARCH_MODEL")  # Conv2D 128-256-256 on 32x32x3, Adam
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 256}, high=1024,
                                           progress=False, method="plan")
     assert [p.fits for p in search.probes] == [True, False], search.probes

@@ -375,25 +375,28 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
 def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_it_says(monkeypatch, tmp_path):
     # The planning process is the seam, as above: the fake one tells its closing plan where
     # search_in_process does (largest_planned_batch's closing()), lets the search look (each_tick), then
-    # "compiles" and returns. probe_one.begin_pair stands for two processes begun side by side
+    # "compiles" for 0.2 s and returns. probe_one.begin_pair stands for two processes begun side by side
     # (tests/test_warm_probes.py runs them); what follows the probes is the real code.
+    import time
     from types import SimpleNamespace
 
     import tfmem_widgets.fit.fresh as fresh
     from tfmem_widgets.errors import FreshRunError
     from tfmem_widgets.fit.plan_search import PlanSearch
-    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, UP, _tell, plan_first
+    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, UP, plan_first
     from tfmem_widgets.fit.progress import LineProgress
+    from tfmem_widgets.fit.transport import tell_batch
 
-    def searched(edge, plans_answer=118_332, planning_fails=False):
+    def searched(edge, plans_answer=118_332, planning_fails=False, room_then=True):
         events = []
 
         def planning(code, **kwargs):
             assert f"closing_aim={str(tmp_path / 'closing-aim')!r}" in code and "closing_plan=False" in code
             kwargs["each_tick"]()  # nothing told yet: nothing begun
-            _tell(str(tmp_path / "closing-aim"), 118_332)
+            tell_batch(tmp_path / "closing-aim", 118_332)
             kwargs["each_tick"]()
             kwargs["each_tick"]()  # (read once)
+            time.sleep(0.2)
             events.append("compiled")
             if planning_fails:
                 raise FreshRunError("the fresh process was killed", how="was killed by SIGKILL (signal 9)")
@@ -405,11 +408,12 @@ def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_i
         probe, probe_one, single, _ = _gpu_probes(search, edge)
 
         def begin_pair(first, second):
-            events.append(("begun", first, second))
-            return lambda: (events.append("read"), [probe(first), probe(second)])[1]
+            events.append(("begun", first, second) if room_then else ("no room", first, second))
+            return (lambda: (events.append("read"), [probe(first), probe(second)])[1]) if room_then else None
 
         def pair(first, second):
-            raise AssertionError("the pair was begun already")
+            events.append(("pair", first, second))
+            return [probe(first), probe(second)]
 
         probe_one.path, probe_one.pair, probe_one.begin_pair = tmp_path / "functions.pickle", pair, begin_pair
         then = plan_first(search, probe_one, LineProgress(quiet=True), auto=False)
@@ -420,19 +424,29 @@ def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_i
     assert events == [("begun", 118_332, 120_699), "compiled", "read"]  # begun before the plan was done
     assert (then, single, search.edge, search.plan_answer) == (DONE, [], (118_332, 120_699), 118_332)
     assert "batches 118,332 and 120,699 were probed while the plan at 118,332 compiled" in repr(search)
+    # The probes ran beside the plans for the 0.2 s the plan took after they began: counted once.
+    assert 0.15 < search.beside_plans_seconds < search.plan_seconds < 1.0
+    # (the two probes' own shared seconds are counted by warm.probing's begin_pair, not by this made-up one)
+    assert search.seconds == pytest.approx(search.plan_seconds + 15.0 + 25.0 - search.beside_plans_seconds)
     then, events, single, _ = searched(200_000)  # both trained: the plans were low
     assert (then, single) == (UP, [])
-    # The plan at 118,332 did not fit after all (the plans' answer is below it) and its probe says the same:
-    # the search steps down from it as from any answer that did not train.
+    # The plan at 118,332 did not fit after all (the plans' answer is 117,000) and its probe did not train either:
+    # the plans' answer is probed next. It trains: the edge lies within a step (BETWEEN ends the search there).
+    then, events, single, search = searched(118_000, plans_answer=117_000)
+    assert (then, single, search.edge, search.plan_answer) == (BETWEEN, [117_000], (117_000, 118_332), 117_000)
+    assert "the plan at 118,332 did not fit: the plans' answer 117,000 probed next" in repr(search)
+    # It does not train either: the search steps down from it as from any answer that did not train.
     then, events, single, search = searched(110_000, plans_answer=117_000)
-    assert (then, single, search.edge, search.plan_answer) == (BETWEEN, [113_598, 104_132], (104_132, 113_598),
-                                                               117_000)
-    assert "the plan at 118,332 did not fit, the plans' answer is 117,000: the probes decide" in repr(search)
+    assert (then, single, search.edge) == (BETWEEN, [117_000, 112_320, 102_960], (102_960, 112_320))
+    # No room for two when the plan was told: the plans go on alone, and the pair runs after them.
+    then, events, single, search = searched(119_000, room_then=False)
+    assert events == [("no room", 118_332, 120_699), "compiled", ("pair", 118_332, 120_699)]
+    assert (then, single, search.beside_plans_seconds) == (DONE, [], 0.0)
     # The planning process died after it told its closing plan: the two probes begun stand.
     then, events, single, search = searched(119_000, planning_fails=True)
     assert (then, single, search.edge, search.plans) == (DONE, [], (118_332, 120_699), [])
-    assert "the plans could not be made (the process was killed by SIGKILL (signal 9)): the probes decide" in \
-        repr(search)
+    assert "the plans could not be made (the process was killed by SIGKILL (signal 9)): the probes begun " \
+        "meanwhile decide" in repr(search)
 
 
 def _model_without_xla():

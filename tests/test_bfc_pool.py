@@ -3,13 +3,23 @@
 (bfc_allocator.cc: best fit, the no-split rule, regions that double, neighbours merged when freed).
 tests/test_plan.py checks the real thing: a lab search whose plans carry the start its probes meet."""
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 from tfmem_widgets.fit.fit_start import FitStart
+from tfmem_widgets.fit.plan import StepPlan
+from tfmem_widgets.oom.layers import LayerAnatomy
 from tfmem_widgets.tf.allocator import BfcPool
 from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
 
 MiB = 1 << 20
+
+
+def made_up(batch_sizes=(), resident_sizes=(), weight_count=0, step_allocations=()) -> StepPlan:
+    """A plan of made-up sizes: what FitStart.take replays (the variables, the batch, the step's allocations)."""
+    return StepPlan(1, "CPU:0", sum(resident_sizes), {}, sum(batch_sizes), sum(step_allocations),
+                    tuple(step_allocations), sum(step_allocations), LayerAnatomy({}, 0), True, "", "none (XLA on a CPU)",
+                    0.0, 0.0, resident_sizes=tuple(resident_sizes), batch_sizes=tuple(batch_sizes),
+                    weight_count=weight_count)
 
 
 def layout(pool: BfcPool) -> list[list[tuple[int, bool]]]:
@@ -89,22 +99,38 @@ def test_a_copy_the_data_takes_for_a_while_leaves_a_region_the_step_cannot_grow_
     # whole (32 < 40); its iterator's copy takes a new 64 MiB region and gives it back. The step's 65 MiB
     # buffer finds that free 64 MiB chunk too small and 2 MiB left under the 128 MiB limit: it does not fit.
     # Without the copy 66 MiB are left under the limit, a region the buffer takes whole.
-    step = SimpleNamespace(batch_sizes=(20 * MiB,), resident_sizes=(), weight_count=0, step_allocations=(65 * MiB,))
+    step = made_up(batch_sizes=(20 * MiB,), step_allocations=(65 * MiB,))
     built = full_regions(2, 4, 8, 16)
     assert FitStart(built, 1.0).take(step, 128 * MiB) is None
     assert FitStart(built, 0.0).take(step, 128 * MiB) == 66 * MiB
     # A smaller step takes the copy's free region, whole (64 < 2 x 40)
-    smaller = SimpleNamespace(**{**vars(step), "step_allocations": (40 * MiB,)})
+    smaller = made_up(batch_sizes=(20 * MiB,), step_allocations=(40 * MiB,))
     assert FitStart(built, 1.0).take(smaller, 128 * MiB) == 64 * MiB
 
 
 def test_the_optimizers_slots_fill_the_holes_the_build_left_before_a_region_grows():
     built = AllocatorMap("bfc_cpu_allocator_for_gpu", (Chunk(1 << 30, 2 * MiB, True), Chunk((1 << 30) + 2 * MiB, 6 * MiB, False)),
                          (Region(1 << 30, 8 * MiB),), "trace")
-    plan = SimpleNamespace(batch_sizes=(), resident_sizes=(2 * MiB, 2 * MiB, 2 * MiB), weight_count=1,
-                           step_allocations=(3 * MiB // 2,))
+    plan = made_up(resident_sizes=(2 * MiB, 2 * MiB, 2 * MiB), weight_count=1, step_allocations=(3 * MiB // 2,))
     pool = BfcPool.of_map(built, 64 * MiB)
     assert layout(pool) == [[(2, True), (6, False)]]
     # The two slots split the 6 MiB hole (each chunk at least twice 2 MiB); the step's 1.5 MiB takes the
     # 2 MiB left whole (2 < 3). Had a region grown, it would be 16 MiB, split: 1.5 MiB.
     assert FitStart(built, 0.0).take(plan, 64 * MiB) == 2 * MiB
+
+
+def test_slots_that_share_one_buffer_hold_one_chunk_before_the_step_and_each_their_own_after_it():
+    # StepPlan.shared_slots, as a fresh fit on the CPU has them (tests/test_plan.py traces it): the two slots
+    # share one 2 MiB chunk before the step, so the step's 1.5 MiB splits the 4 MiB hole left (4 >= 2 x 1.5)
+    # where, with a chunk each, it took the last 2 MiB whole. After the step each slot gets its own buffer:
+    # the first takes the 2.5 MiB left whole, the second finds no room in the one region the 8 MiB limit
+    # allows. The same plan with a chunk each fits.
+    built = AllocatorMap("bfc_cpu_allocator_for_gpu", (Chunk(1 << 30, 2 * MiB, True), Chunk((1 << 30) + 2 * MiB, 6 * MiB, False)),
+                         (Region(1 << 30, 8 * MiB),), "trace")
+    alone = made_up(resident_sizes=(2 * MiB, 2 * MiB, 2 * MiB), weight_count=1, step_allocations=(3 * MiB // 2,))
+    shared = replace(alone, shared_slots=((1, 2),))
+    assert shared.held_before_step() == ((2 * MiB,), (2 * MiB, 2 * MiB)) and shared.first_step_bytes == 2 * MiB
+    assert FitStart(built, 0.0).take(alone, 8 * MiB) == 2 * MiB
+    assert FitStart(built, 0.0).take(shared, 8 * MiB) is None
+    assert FitStart(built, 0.0).take(shared, 64 * MiB) == 3 * MiB // 2  # with room for a region more: split
+

@@ -24,9 +24,10 @@ from tfmem_widgets.fit.warm import WarmProbes
 SETUP = {"lab_mb": 64}
 
 
-def _functions(hang: bool = False, seen: str | None = None, meet: str | None = None):
+def _functions(hang: bool = False, seen: str | None = None, meet: str | None = None, gate: str | None = None):
     """meet: a folder; build_model waits (up to 60 s) there until two probes' processes have begun, so
-    two probes one after the other cannot both build their models: a pair that trains ran side by side."""
+    two probes one after the other cannot both build their models: a pair that trains ran side by side.
+    gate: a file; build_model waits (up to 60 s) until it exists."""
     def build_model():
         import os
         from pathlib import Path
@@ -44,6 +45,14 @@ def _functions(hang: bool = False, seen: str | None = None, meet: str | None = N
             while len(list(Path(meet).iterdir())) < 2:
                 if clock.monotonic() > deadline:
                     raise RuntimeError("the other probe never began")
+                clock.sleep(0.05)
+        if gate:
+            import time as clock
+
+            deadline = clock.monotonic() + 60
+            while not Path(gate).exists():
+                if clock.monotonic() > deadline:
+                    raise RuntimeError("the gate never opened")
                 clock.sleep(0.05)
         if hang:
             import time as clock
@@ -143,13 +152,14 @@ def test_a_pair_begun_runs_while_the_search_does_something_else_and_is_read_afte
     from tfmem_widgets.fit import warm
     from tfmem_widgets.fit.search import BatchSearch
 
-    met = tmp_path / "met"
+    met, gate = tmp_path / "met", tmp_path / "gate"
     met.mkdir()
     monkeypatch.setattr(warm, "room_for_two", lambda setup, env, now=True: "here")
     search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
-                         _run=(_functions(meet=str(met)), SETUP, {}, 240))
+                         _run=(_functions(meet=str(met), gate=str(gate)), SETUP, {}, 240))
     with warm.probing(search, pairs=True) as probe_one:
         read = probe_one.begin_pair(64, 512)
+        gate.write_text("")  # the builds wait for this: a begin that waited for its probes would never get here
         deadline = time.monotonic() + 120
         while len(list(met.iterdir())) < 2 and time.monotonic() < deadline:  # both building, none read
             time.sleep(0.1)

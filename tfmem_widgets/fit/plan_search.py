@@ -71,7 +71,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
     process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it.
     closing(batch): called before the plan at `batch` compiles where, if it fits, the search ends at it (a
-    plan above it failed within its step): a caller may begin that batch's probes meanwhile.
+    plan above it failed within its step, not proven to fail by its bytes alone): a caller may begin that
+    batch's probes, and the one past it, meanwhile.
     fit_builds_slots: the fit each plan stands for builds the optimizer's slots itself (a fresh process's,
     where build_model() left them unbuilt): its first step as plan.slots_shared_by_fit says."""
     started = time.perf_counter()
@@ -154,9 +155,20 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     aim = None
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
         aim = cleared(next_aim())
+    def proven(planned: StepPlan | None) -> int | None:
+        """A failing plan's bytes alone (the step's peak with what the process holds besides), where they
+        exceed the limit and the program compiles the same in any process (no autotuner): a step never
+        takes less than its plan, so that batch cannot train, probe or not. None where the pool's
+        regions or an autotuner decide."""
+        if planned is None or not planned.same_program_anywhere or planned.estimate:
+            return None
+        need = planned.peak_bytes + sum(held(planned))
+        return need if need > limit else None
+
     while aim is not None and len(plans) < max_plans:
-        if closing is not None and hi is not None and aim < high and hi - aim <= step(aim):
-            closing(aim)  # if it fits, it is the answer
+        if closing is not None and hi is not None and aim < high and hi - aim <= step(aim) and \
+                proven(plans.get(hi)) is None:
+            closing(aim)  # if it fits, it is the answer (and the batch past it is to be probed: not proven)
         if fits(aim):
             lo = aim
             if aim >= high:
@@ -169,11 +181,9 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     seconds = time.perf_counter() - started
     found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds,
                        first.jit_compile, limit, first.limit_source if limit_bytes is None else "given", notes)
-    failing = plans.get(hi) if hi is not None else None
-    if failing is not None and failing.same_program_anywhere and not failing.estimate:
-        need = failing.peak_bytes + sum(held(failing))
-        if need > limit:
-            found.proven_failure, found.proven_bytes = hi, need
+    need = proven(plans.get(hi)) if hi is not None else None
+    if need is not None:
+        found.proven_failure, found.proven_bytes = hi, need
     return found
 
 

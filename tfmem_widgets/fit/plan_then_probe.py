@@ -6,9 +6,10 @@ up like the probes, then confirms the answer with a probe at it and one just pas
 (``warm.room_for_two``); the plans then stop without a plan just past the answer where its shapes (or
 the plans between) say it fails there, the probe past it being the check (one compile fewer). Where
 the plans close in from above (a plan failed, and the next lies within a step below it: if it fits,
-it is the answer), the two probes begin as that plan compiles (``largest_planned_batch``'s
-`closing`): on a GPU a compile near the edge takes seconds, and the probes stand whatever the plan
-then says.
+it is the answer, and the batch past it is not proven to fail by the plan above's bytes alone), the
+two probes begin as that plan compiles (``largest_planned_batch``'s `closing`), where the machine has
+room for two then: on a GPU a compile near the edge takes seconds. The probes stand whatever that plan
+says; where it did not fit and its probe did not train, the plans' answer below it is probed next.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .plan import device_of
 from .plan_search import PlanSearch, largest_planned_batch
+from .transport import tell_batch
 
 
 def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
@@ -29,8 +31,6 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     where the batch of a closing plan (largest_planned_batch's `closing`) is written as it compiles, for
     the search to begin its probes meanwhile."""
     import pickle
-    import time
-    from pathlib import Path
 
     from .fit_start import read_fit_start
 
@@ -49,7 +49,8 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
                                   held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
                                                              if share),
                                   closing_plan=closing_plan, fit_start=start,
-                                  closing=None if closing_aim is None else lambda batch: _tell(closing_aim, batch),
+                                  closing=None if closing_aim is None else lambda batch: tell_batch(Path(closing_aim),
+                                                                                                    batch),
                                   fit_builds_slots=fit_builds_slots)
     if start is not None:
         found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
@@ -61,15 +62,6 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     for planned in found.plans:
         planned.notes = ()  # what goes back: figures, not the process's notes
     return found
-
-
-def _tell(path: str, batch: int) -> None:
-    """`batch` written to `path` whole, at once: the reader never sees half a number."""
-    from pathlib import Path
-
-    written = Path(path + ".part")
-    written.write_text(str(batch))
-    written.replace(path)
 
 
 def data_on_device(make_batch, model, rows: int = 256) -> float:
@@ -114,8 +106,9 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     Where the two probes can run side by side, they begin as soon as the plans' answer is all but
     known: when the planning process starts a closing plan (a plan above it failed within its step,
     so if it fits it is the answer), its two probes run while it compiles (on a GPU a compile near
-    the edge takes seconds). Its probes stand whatever that plan says: where it does not fit, the probe
-    at it says the same, and the search steps down from it as from any answer that did not train."""
+    the edge takes seconds), where the machine has room for two then. They stand whatever that plan
+    says: where it did not fit and its probe did not train either, the plans' answer below it is
+    probed next."""
     from ..errors import FreshRunError
     from ..units import format_bytes
     from .fresh import run_checked
@@ -125,49 +118,40 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
     begin_pair = getattr(probe_one, "begin_pair", None)  # the same, begun now, read later
     aim_file = Path(probe_one.path).with_name("closing-aim")
+    probe = _probe_with(search, probe_one, progress)
 
     def step_of(batch: int) -> int:
         return max(1, math.ceil(batch * search.resolution))
 
-    early: dict = {}  # the pair begun while the closing plan compiles: its batches, when, how to read it
+    early = None  # the pair begun while the closing plan compiles: (its batches, when, what reads it)
 
     def closing_begun() -> None:  # (called while the planning process runs, every 0.1 s)
-        if early or begin_pair is None or not aim_file.exists():
+        nonlocal early
+        if early is not None or begin_pair is None or not aim_file.exists():
             return
-        aim = int(aim_file.read_text())
-        early["batches"] = (aim, min(search.high, aim + step_of(aim)))
-        if early["batches"][1] > aim:
-            for count, batch in enumerate(early["batches"], len(search.probes) + 1):
+        try:
+            aim = int(aim_file.read_text())
+        except (OSError, ValueError):  # (written whole, at once: not expected)
+            return
+        batches = (aim, min(search.high, aim + step_of(aim)))  # (the aim is below high: the past one above it)
+        read = begin_pair(*batches)  # None: no room for two now, the plans go on alone
+        early = (batches, time.perf_counter(), read)
+        if read is not None:
+            for count, batch in enumerate(batches, len(search.probes) + 1):
                 progress.probing(count, batch)
-            early["at"] = time.perf_counter()
-            early["read"] = begin_pair(*early["batches"])  # None: no room for two now, the plans go on alone
 
     code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
                             resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None,
                             closing_aim=None if begin_pair is None else str(aim_file))
-    failed = None
+    found = None
     try:
-        run = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
-                          remember_oom=False, each_tick=closing_begun)
+        found = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
+                            remember_oom=False, each_tick=closing_begun).values["found"]
     except FreshRunError as exc:
-        failed = exc
+        search.notes.append(f"the plans could not be made (the process {exc.how}): "
+                            + ("the probes begun meanwhile decide" if early and early[2] else "probes only"))
     search.plan_seconds = time.perf_counter() - started
-    both = early["read"]() if early.get("read") is not None else None  # begun while the plans went on: they stand
-    if both is not None:
-        for count, done in enumerate(both, len(search.probes) - 1):
-            progress.probed(count, done)
-        # the seconds the pair ran beside the planning process, counted once in the search's time
-        search.overlap_seconds += min(started + search.plan_seconds - early["at"], max(p.seconds for p in both))
-        answer = early["batches"][0]
-        search.notes.append(f"batches {answer:,} and {early['batches'][1]:,} were probed while the plan at "
-                            f"{answer:,} compiled: if it fitted, it was the plans' answer")
-    if failed is not None:
-        search.notes.append(f"the plans could not be made (the process {failed.how}): "
-                            + ("probes only" if both is None else "the probes decide"))
-        if both is None:
-            return FROM_LOW
-    else:
-        found: PlanSearch = run.values["found"]
+    if found is not None:  # the plans kept before the probes are read (a Ctrl-C there keeps them)
         if found.jit_compile is not True:
             if auto:
                 search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
@@ -178,19 +162,26 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
         search.plans = found.plans
         search.notes.extend(found.notes)
         search.plan_answer = found.batch
-    if both is not None:
-        answer = early["batches"][0]
-        if search.plan_answer is not None and search.plan_answer != answer:
-            search.notes.append(f"the plan at {answer:,} did not fit, the plans' answer is {search.plan_answer:,}: "
-                                "the probes decide")
-        if both[0].fits:
-            return UP if both[1].fits else DONE
-        return _step_down(search, answer, step_of(answer), _probe_with(search, probe_one, progress))
-    if found.batch is None:
+    if early is not None and early[2] is not None:  # the pair began while the plans went on: its probes stand
+        (answer, past), began, read = early
+        both = read()
+        for count, done in enumerate(both, len(search.probes) - 1):
+            progress.probed(count, done)
+        search.beside_plans_seconds += min(started + search.plan_seconds - began, max(p.seconds for p in both))
+        search.notes.append(f"batches {answer:,} and {past:,} were probed while the plan at {answer:,} compiled: "
+                            "if it fitted, it was the plans' answer")
+        planned = search.plan_answer
+        if both[0].fits or planned is None or planned >= answer:
+            return _after_pair(search, both, answer, step_of(answer), probe)
+        # The plan at the aim did not fit, nor did its probe train: the plans' answer below it next.
+        search.notes.append(f"the plan at {answer:,} did not fit: the plans' answer {planned:,} probed next")
+        if probe(planned):
+            return BETWEEN  # (within a step of the aim's failure: done; else the probes close in between)
+        return _step_down(search, planned, step_of(planned), probe)
+    if found is None or found.batch is None:
         return FROM_LOW
     answer = found.batch
     step = step_of(answer)
-    probe = _probe_with(search, probe_one, progress)
     proven = found.proven_failure
     past = min(search.high, answer + step)
     last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
@@ -201,9 +192,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
         if both is not None:
             for count, done in enumerate(both, len(search.probes) - 1):
                 progress.probed(count, done)
-            if both[0].fits:
-                return UP if both[1].fits else DONE
-            return _step_down(search, answer, step, probe)
+            return _after_pair(search, both, answer, step, probe)
 
     if probe(answer, ahead=not last):
         if answer >= search.high:
@@ -216,6 +205,13 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
                                 "takes less than its plan)")
             return DONE
         return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
+    return _step_down(search, answer, step, probe)
+
+
+def _after_pair(search, both, answer: int, step: int, probe) -> str:
+    """How the search goes on after the answer and the batch past it were probed side by side."""
+    if both[0].fits:
+        return UP if both[1].fits else DONE
     return _step_down(search, answer, step, probe)
 
 

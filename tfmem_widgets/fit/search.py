@@ -64,6 +64,7 @@ class BatchSearch(LinesText):
     planned_failure: int | None = None  # a batch past the answer whose plan needs more than the limit (not probed)
     plan_answer: int | None = None  # the largest batch the plans fit (the plan search's answer, probed first)
     overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
+    beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -223,7 +224,7 @@ class BatchSearch(LinesText):
 
     @property
     def seconds(self) -> float:
-        return self.plan_seconds + sum(p.seconds for p in self.probes) - self.overlap_seconds
+        return self.plan_seconds + sum(p.seconds for p in self.probes) - self.overlap_seconds - self.beside_plans_seconds
 
     # -- text -------------------------------------------------------------------------------
     def lines(self) -> list[str]:
@@ -265,7 +266,10 @@ class BatchSearch(LinesText):
             out.append(f"  a fresh process to plan first: {self.plan_seconds:.0f} s, no plans (the notes say why)")
         out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
                    f"{sum(p.seconds for p in self.probes) - self.overlap_seconds:.0f} s, each in a fresh process"
-                   + (" (two side by side):" if self.overlap_seconds else ":"))
+                   + (" (two side by side" if self.overlap_seconds else "")
+                   + (f", {self.beside_plans_seconds:.0f} s of it while the plans were made" if self.beside_plans_seconds
+                      else "")
+                   + (")" if self.overlap_seconds else "") + ":")
         for p in self.probes:
             if p.fits:
                 what = f"trained, peak {format_bytes(p.peak_bytes)}"

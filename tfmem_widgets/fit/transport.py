@@ -23,6 +23,14 @@ def read_job(work_dir: Path) -> dict:
     return pickle.loads((work_dir / "job.pickle").read_bytes())
 
 
+def tell_batch(path: Path, batch: int) -> None:
+    """A batch for another process (a warm probe's start, a closing plan's aim), written to `path` whole, at
+    once: the reader, which waits for the file, never sees half a number."""
+    written = path.with_name(path.name + ".part")
+    written.write_text(str(batch))
+    written.replace(path)
+
+
 def write_result(work_dir: Path, **result) -> None:
     """The child's outcome: values=[names], error=<exception name>, or setup_error=<its line>."""
     (work_dir / "result.json").write_text(json.dumps(result))

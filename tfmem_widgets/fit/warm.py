@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..units import format_bytes
 from .probe import Probe, probe_outcome, ran_past
+from .transport import tell_batch
 
 # What a TensorFlow process takes beside its allocator's limit: on a GPU its CUDA context and cuBLAS'
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
@@ -87,9 +88,7 @@ class _Waiting:
     def begin(self, batch: int) -> float:
         """Hand the process its batch; returns when that was (the probe's seconds count from it)."""
         started = time.perf_counter()
-        written = self.start.with_name(self.start.name + ".part")
-        written.write_text(str(batch))
-        written.replace(self.start)  # whole, at once: the child never reads half a number
+        tell_batch(self.start, batch)
         return started
 
     def probe(self, batch: int, timeout: float | None, started: float | None = None) -> Probe:
@@ -184,7 +183,8 @@ def _said(limit) -> str:
 class WarmProbes:
     """probe(batch): one probe, in a process started ahead; the next one starts meanwhile (ahead=False:
     none, where no probe is expected after this one).
-    probe_pair(a, b): two probes side by side, each in a process of its own. ready: how many
+    probe_pair(a, b): two probes side by side, each in a process of its own; begin(a, b) starts them and
+    returns what reads them (meanwhile this process is free). ready: how many
     processes wait at once (2 where a pair is to come, so both are imported when it does).
     close(): every process these probes started ended (waiting or probing), the functions' file
     removed. path: the pickled functions (build_model, make_batch), for a process of the same setup."""
@@ -210,8 +210,11 @@ class WarmProbes:
         probe (False: these are expected to be the last)."""
         taken = []
         for _ in range(count):
-            taken.append(self._ready.pop(0) if self._ready else _Waiting(*self._args))
-            self._current.append(taken[-1])  # the search's as soon as it is taken: close() ends it
+            waiting = self._ready[0] if self._ready else _Waiting(*self._args)
+            self._current.append(waiting)  # the search's as soon as it is taken: close() ends it
+            if self._ready and self._ready[0] is waiting:
+                self._ready.pop(0)
+            taken.append(waiting)
         if ahead and not self._ready:
             self._ready.append(_Waiting(*self._args))  # imports while these probe
         return taken
@@ -287,12 +290,12 @@ def probing(search, pairs: bool = False):
             how = room_for_two(setup, env)
             if how is None:
                 return None
-            search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
             read = warm.begin(first, second, ahead=False)  # the search's last where its plans hold
 
             def both() -> list[Probe]:
                 probes = read(each=taken)
                 search.overlap_seconds += min(probe.seconds for probe in probes)  # counted twice in the probes' sum
+                search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
                 return probes
 
             return both

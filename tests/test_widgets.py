@@ -242,7 +242,8 @@ def test_the_panel_reads_what_fits_at_the_chosen_limit_and_the_limit_a_batch_nee
     assert "with a peak of 90.00 MiB; at this limit that leaves +6.00 MiB" in panel.fits.value
     # one margin rule, the measured one: the batch a probe measured leaving the margin free (recommended)
     assert search.recommended == 4096
-    assert "; 4,096 with a margin of 5% (measured: its peak left the margin free)" in panel.fits.value
+    assert "; 4,096 with a margin of 5% (measured: its peaks left the margin free, the margin below " \
+        "every failure)" in panel.fits.value
     panel.lab_mb.value = 48  # under it: the line, never above what failed at 96 MB
     assert shown() == search.batch_for(48 * MiB) == (48 - 10) * 1024 // 20
     assert "; 1,024 with a margin of 5% (measured" in panel.fits.value   # 30 MiB measured, within 95% of 48

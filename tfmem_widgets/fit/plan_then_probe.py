@@ -97,7 +97,7 @@ found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xl
 DONE, FROM_LOW, UP, BETWEEN = "done", "from low", "up", "between"
 
 
-def plan_first(search, probe_one, progress, auto: bool) -> str:
+def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
     """A batch search's plans (one fresh process set up like its probes), then the answer confirmed
     by a probe at it and one just past it. Returns how the probe search goes on: DONE (the probes
     agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
@@ -108,7 +108,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     so if it fits it is the answer), its two probes run while it compiles (on a GPU a compile near
     the edge takes seconds), where the machine has room for two then. They stand whatever that plan
     says: where it did not fit and its probe did not train either, the plans' answer below it is
-    probed next."""
+    probed next. The probes after the pair stop at max_probes."""
     from ..errors import FreshRunError
     from ..units import format_bytes
     from .fresh import run_checked
@@ -137,8 +137,7 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
         read = begin_pair(*batches)  # None: no room for two now, the plans go on alone
         early = (batches, time.perf_counter(), read)
         if read is not None:
-            for count, batch in enumerate(batches, len(search.probes) + 1):
-                progress.probing(count, batch)
+            _show_probing(search, progress, batches)
 
     code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
                             resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None,
@@ -165,19 +164,20 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     if early is not None and early[2] is not None:  # the pair began while the plans went on: its probes stand
         (answer, past), began, read = early
         both = read()
-        for count, done in enumerate(both, len(search.probes) - 1):
-            progress.probed(count, done)
+        _show_probed(search, progress, both)
         search.beside_plans_seconds += min(started + search.plan_seconds - began, max(p.seconds for p in both))
         search.notes.append(f"batches {answer:,} and {past:,} were probed while the plan at {answer:,} compiled: "
                             "if it fitted, it was the plans' answer")
         planned = search.plan_answer
         if both[0].fits or planned is None or planned >= answer:
-            return _after_pair(search, both, answer, step_of(answer), probe)
+            return _after_pair(search, both, answer, step_of(answer), probe, max_probes)
+        if len(search.probes) >= max_probes:
+            return FROM_LOW  # (the search says it stopped at max_probes)
         # The plan at the aim did not fit, nor did its probe train: the plans' answer below it next.
         search.notes.append(f"the plan at {answer:,} did not fit: the plans' answer {planned:,} probed next")
         if probe(planned):
             return BETWEEN  # (within a step of the aim's failure: done; else the probes close in between)
-        return _step_down(search, planned, step_of(planned), probe)
+        return _step_down(search, planned, step_of(planned), probe, max_probes)
     if found is None or found.batch is None:
         return FROM_LOW
     answer = found.batch
@@ -186,13 +186,11 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
     past = min(search.high, answer + step)
     last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
     if not last and pair is not None:
-        for count, batch in enumerate((answer, past), len(search.probes) + 1):
-            progress.probing(count, batch)
+        _show_probing(search, progress, (answer, past))
         both = pair(answer, past)  # side by side, where the machine has room for both (else None)
         if both is not None:
-            for count, done in enumerate(both, len(search.probes) - 1):
-                progress.probed(count, done)
-            return _after_pair(search, both, answer, step, probe)
+            _show_probed(search, progress, both)
+            return _after_pair(search, both, answer, step, probe, max_probes)
 
     if probe(answer, ahead=not last):
         if answer >= search.high:
@@ -205,14 +203,26 @@ def plan_first(search, probe_one, progress, auto: bool) -> str:
                                 "takes less than its plan)")
             return DONE
         return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
-    return _step_down(search, answer, step, probe)
+    return _step_down(search, answer, step, probe, max_probes)
 
 
-def _after_pair(search, both, answer: int, step: int, probe) -> str:
+def _after_pair(search, both, answer: int, step: int, probe, max_probes: int) -> str:
     """How the search goes on after the answer and the batch past it were probed side by side."""
     if both[0].fits:
         return UP if both[1].fits else DONE
-    return _step_down(search, answer, step, probe)
+    return _step_down(search, answer, step, probe, max_probes)
+
+
+def _show_probing(search, progress, batches) -> None:
+    """The progress of probes begun side by side: each shown as begun."""
+    for count, batch in enumerate(batches, len(search.probes) + 1):
+        progress.probing(count, batch)
+
+
+def _show_probed(search, progress, probes) -> None:
+    """The same probes, read (the search's last ones): each shown as done."""
+    for count, done in enumerate(probes, len(search.probes) - len(probes) + 1):
+        progress.probed(count, done)
 
 
 def _probe_with(search, probe_one, progress):
@@ -226,14 +236,14 @@ def _probe_with(search, probe_one, progress):
     return probe
 
 
-def _step_down(search, answer: int, step: int, probe) -> str:
-    """The answer did not train: probe below it until a batch does."""
+def _step_down(search, answer: int, step: int, probe, max_probes: int) -> str:
+    """The answer did not train: probe below it until a batch does (at most max_probes in all)."""
     # The plans were high (in a pool that grows, where its regions fall and the fit's own transients
     # decide): step down from the answer, farther each time, until a batch trains; the probes close in
     # between it and the smallest failure (measured in lab mode: plans 4-8% high near the edge).
     for cut in (2 * step / answer, 0.12, 0.3):
         below = int(answer * (1 - cut))
-        if below < search.low:
+        if below < search.low or len(search.probes) >= max_probes:
             break
         if probe(below):
             return BETWEEN

@@ -30,11 +30,11 @@ from typing import Any
 from ..errors import SetupError
 from ..text import LinesText
 from ..units import MiB, format_bytes
+from .next_probe import next_batch, settle_recommended
 from .probe import Probe, first_line
 from .progress import progress_for
 from .warm import probing, room_for_two
 
-GROWTH = 16  # the most a probe grows the batch before a failure is seen
 # Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
 # 3.69 GiB from a tf.data pipeline on the host and at 4.91 GiB from NumPy arrays, the whole x
 # (1.22 GiB) more; at the batch a 16 GB search recommended, the NumPy epoch ran out of memory and
@@ -73,8 +73,8 @@ class BatchSearch(LinesText):
         if self._run is None:
             raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
         batches = [check_count("batch", b, 1) for b in batches]
-        with self._probing() as probe_one:
-            return [probe_one(batch) for batch in batches]
+        with self._probing() as probe_one:  # (no process started to wait after the last)
+            return [probe_one(batch, ahead=i < len(batches) - 1) for i, batch in enumerate(batches)]
 
     def _probing(self, pairs: bool = False):
         """While the functions' file exists: probe_one(batch), one probe added to `probes` (warm.probing)."""
@@ -181,20 +181,64 @@ class BatchSearch(LinesText):
         return None if need is None else int(need / (1 - self.margin))
 
     def measured_peak(self, batch: int) -> int | None:
-        """The peak a probe measured at `batch` where one trained there (None otherwise)."""
-        return next((p.peak_bytes for p in self.fitted if p.batch == batch and p.peak_bytes), None)
+        """The highest peak the probes measured at `batch` where one trained there (None otherwise)."""
+        return max((p.peak_bytes for p in self.fitted if p.batch == batch), default=None)
 
     def _largest_measured_within(self, budget: float) -> int | None:
-        """The largest batch a probe trained at, below every failure, whose peak stayed within `budget`."""
-        largest = self.edge[0]
-        within = [p.batch for p in self.fitted if p.peak_bytes and p.peak_bytes <= budget
-                  and largest is not None and p.batch <= largest]
+        """The largest batch probes trained at whose peak stayed within `budget` in every probe there, and
+        at least the margin below every failure (margin: a fraction of the batch too). A step's peak at one
+        batch differs between processes (a graph step's in lab mode: 88 to 105 MiB at 4,096 in nine), and
+        near the edge fitting is not monotone: a batch 2% under a failure whose one probe peaked at 84%
+        of the limit ran out of memory in the next process."""
+        lowest = min(self._failures(), default=None)
+        top = None if lowest is None else lowest * (1 - self.margin)
+        over = {p.batch for p in self.fitted if p.peak_bytes > budget}
+        within = [p.batch for p in self.fitted if p.peak_bytes <= budget and p.batch not in over
+                  and (top is None or p.batch <= top)]
         return max(within) if within else None
+
+    def margin_batch(self) -> int | None:
+        """The batch a margin aims at (margin_aim)."""
+        aim = self.margin_aim()
+        return None if aim is None else aim[0]
+
+    def margin_aim(self) -> tuple[int, str] | None:
+        """The batch a margin aims at, and why: where the line through the peaks meets the limit less the
+        margin, or the margin below the smallest failure, the lower, a resolution step under it (its peak is
+        not to sit on the margin's edge); where a batch's peak took the margin, halfway between the
+        recommended batch and it, if lower (near the limit a pool's peaks stop following the line: in lab
+        mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB). At most `high`; None without a
+        margin, a limit, or a line or a failure."""
+        if not self.margin or self.limit_bytes is None:
+            return None
+        budget = self.within_margin_bytes(self.limit_bytes)
+        lowest = min(self._failures(), default=None)
+        aims = [(b, how) for b, how in (
+            (self._line_batch(budget), f"where the line through the peaks meets {1 - self.margin:.0%} of the limit"),
+            (None if lowest is None else lowest * (1 - self.margin), f"{self.margin:.0%} below the smallest failure"))
+            if b is not None]
+        if not aims:
+            return None
+        batch, how = min(aims)
+        aim, why = int(batch * (1 - self.resolution)), f"a {self.resolution:.0%} step under {how}"
+        over = min((p.batch for p in self.fitted if p.peak_bytes > budget), default=None)
+        below = self.recommended
+        if over is not None:
+            half = (below + over) // 2 if below is not None and below < over else over
+            if half < aim:
+                aim, why = half, (f"halfway from {below:,} to {over:,}, whose peak took the margin"
+                                  if half != over else f"{over:,}, whose peak took the margin")
+        aim = max(self.low, min(self.high, aim))
+        return aim, why
+
+    def trained_at(self, batch: int) -> int:
+        """How many probes trained at `batch`."""
+        return sum(1 for p in self.fitted if p.batch == batch)
 
     def within_margin(self, limit_bytes: int) -> tuple[int | None, bool]:
         """The batch to use at `limit_bytes` with the margin kept free, by the rule `recommended`
-        follows: up to the search's own limit, the largest batch a probe measured whose peak left the
-        margin free, below every failure (measured: True); above it, where nothing was measured, the
+        follows: up to the search's own limit, the largest batch the probes measured whose peaks left the
+        margin free, the margin below every failure (measured: True); above it, where nothing was measured, the
         line's batch for the limit less the margin, never less than the recommended one (False)."""
         budget = self.within_margin_bytes(limit_bytes)
         if self.limit_bytes is None or limit_bytes <= self.limit_bytes:
@@ -211,10 +255,12 @@ class BatchSearch(LinesText):
 
     @property
     def recommended(self) -> int | None:
-        """The largest batch that trained below every failure; with a margin, the largest batch a
-        probe measured (it trained) whose peak left `margin` of the limit free, below every failure.
-        Measured, not read off the line: near the edge a batch the line puts 10% under the limit
-        ran out of memory in lab mode, and a batch that trained once failed in the next process."""
+        """The largest batch that trained below every failure; with a margin, the largest batch the
+        probes measured (each trained) whose peaks left `margin` of the limit free, `margin` below every
+        failure (a fraction of the batch). Measured, not read off the line: near the edge a batch the line
+        puts 10% under the limit ran out of memory in lab mode, and a batch that trained once failed in
+        the next process. The search aims a probe at the margin and probes the batch it recommends twice
+        (fit/next_probe.settle_recommended)."""
         largest = self.edge[0]
         if largest is None or self.margin == 0:
             return largest
@@ -240,10 +286,13 @@ class BatchSearch(LinesText):
             rec = self.recommended
             out.append(f"  largest batch that trained: {largest:,}"
                        + (f"; below every failure: {safe:,}" if safe != largest and safe is not None else "")
-                       + (f"; recommended, its measured peak leaving {self.margin:.0%} of the limit free: {rec:,}"
-                          if self.margin and rec is not None else "")
-                       + (f"; no probe's peak left {self.margin:.0%} of the limit free" if self.margin and rec is None
-                          else ""))
+                       + (f"; recommended, its measured peak leaving {self.margin:.0%} of the limit free"
+                          + (f", {self.margin:.0%} below every failure" if failure is not None else "") + f": {rec:,}"
+                          + (f" (in each of {self.trained_at(rec)} fresh processes)" if self.trained_at(rec) > 1
+                             else "") if self.margin and rec is not None else "")
+                       + (f"; no batch whose probes' peaks left {self.margin:.0%} of the limit free"
+                          + (f", {self.margin:.0%} below every failure" if failure is not None else "")
+                          if self.margin and rec is None else ""))
             largest = safe if safe is not None else largest
             if failure is not None and failure > largest:
                 step = max(1, math.ceil(largest * self.resolution))
@@ -350,40 +399,6 @@ def _where(setup: Mapping | None) -> str:
     return "the default device, set up by TensorFlow's defaults"
 
 
-def _next_batch(search: BatchSearch, past: list[int], probe_past: bool = True) -> int | None:
-    """The next batch to probe, or None when the edge is known to the resolution.
-
-    Before a failure: the edge the line through the peaks predicts, at least 1.25 and at most
-    GROWTH times the largest batch that trained. After one: the middle of the interval (near the
-    limit the peaks flatten, so the line misaims there), then one probe past the edge (`past`
-    holds it once made): if that trains, fitting is not monotone here and the search stops. Without
-    `probe_past` (a failure above the edge is already known) the search stops at the edge."""
-    if past:
-        return None
-    largest, failure = search.largest, search.first_failure
-    if largest is None:
-        return None
-    if failure is None:
-        if largest >= search.high:
-            return None
-        grow = largest * GROWTH
-        edge = search._line_batch(search.limit_bytes) if search.limit_bytes else None
-        if edge is not None:
-            grow = min(grow, max(edge, math.ceil(largest * 1.25)))
-        return min(search.high, max(grow, largest + 1))
-    step = max(1, math.ceil(largest * search.resolution))
-    if failure - largest <= step:
-        if not probe_past:
-            return None
-        beyond = min(search.high, failure + 4 * step)
-        if beyond > failure and beyond not in {p.batch for p in search.probes}:
-            past.append(beyond)
-            return beyond
-        return None
-    middle = math.isqrt(largest * failure) if failure > 4 * largest else (largest + failure) // 2
-    return middle if largest < middle < failure else None
-
-
 def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], Any], *,
                    setup: Mapping[str, Any] | None = None, low: int = 1, high: int = 65536, steps: int = 2,
                    margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
@@ -460,9 +475,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
             if method != "probe":
                 from .plan_then_probe import BETWEEN, DONE, UP, plan_first
 
-                then = plan_first(search, probe_one, bar, auto=method == "auto")
+                then = plan_first(search, probe_one, bar, auto=method == "auto", max_probes=max_probes)
                 probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already
-                batch = None if then == DONE else _next_batch(search, past, probe_past) if then in (UP, BETWEEN) \
+                batch = None if then == DONE else next_batch(search, past, probe_past) if then in (UP, BETWEEN) \
                     else low
             while batch is not None and len(search.probes) < max_probes:
                 bar.probing(len(search.probes) + 1, batch)
@@ -474,7 +489,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                     raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
                                      f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
                                      f"; {search.where}): raise the limit or make the model smaller.")
-                batch = _next_batch(search, past, probe_past)
+                batch = next_batch(search, past, probe_past)
+            if margin and batch is None:
+                settle_recommended(search, probe_one, bar, max_probes)
         except KeyboardInterrupt:
             search.interrupted = True
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:

@@ -195,7 +195,8 @@ class SetupPanel(FullTextForm, w.VBox):
                     text += f"; no batch measured left a margin of {search.margin:.0%} free"
                 else:
                     text += (f"; {kept:,} with a margin of {search.margin:.0%} ("
-                             + ("measured: its peak left the margin free" if measured_kept else "by the line") + ")")
+                             + ("measured: its peaks left the margin free, the margin below every failure" if measured_kept
+                                else "by the line") + ")")
             lines.append(text + ".")
             largest = search.edge[0]
             measured = next((p for p in search.fitted if p.batch == largest), None)

@@ -1,0 +1,89 @@
+"""Where a probe search goes next: the batch the next probe takes, and, with a margin, the probes that
+settle the batch it recommends.
+
+Before a failure the search grows the batch toward the edge the line through the peaks predicts; after
+one it halves the interval, then probes once past the edge (fit/search.py says why). With a margin, a
+probe is aimed at the margin's batch where none was measured near it, and the batch recommended is
+probed a second time in another process.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..units import format_bytes
+
+GROWTH = 16  # the most a probe grows the batch before a failure is seen
+
+
+MARGIN_PROBES = 4  # the most probes a margin adds: aimed at it (twice at most), the batch recommended again
+MARGIN_AIMS = 2  # the second aimed by the line the first completes (a plan search measured one batch that trained)
+
+
+def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
+    """With a margin, once the edge is known: a probe aimed at the margin's batch (BatchSearch.margin_batch)
+    where nothing measured lies within a step below it (a plan search measures only the edge), a second
+    where the first one's peak took the margin (halfway down to the batch recommended); then the recommended
+    batch probed again in another fresh process, so that its peaks left the margin free in two. A step's
+    peak at one batch differs between processes (a graph step's in lab mode: 88 to 105 MiB at 4,096 in
+    nine; a batch recommended by one probe ran out of memory in the next one). Where the second probe's
+    peak takes the margin, or it does not train, the rule recommends a lower batch, probed again in turn."""
+    aimed = 0
+    for _ in range(MARGIN_PROBES):
+        batch = search.recommended
+        aim, why = (None, "") if aimed >= MARGIN_AIMS else (search.margin_aim() or (None, ""))
+        probed = {p.batch for p in search.probes}
+        if aim is not None and aim not in probed and (batch is None or aim > batch + math.ceil(batch * search.resolution)):
+            aimed, what = aimed + 1, f"a probe aimed at the {search.margin:.0%} margin"
+        elif batch is not None and search.trained_at(batch) == 1:
+            aim, what = batch, "the recommended batch again"
+        else:
+            return
+        if len(search.probes) >= max_probes:
+            search.notes.append(f"{what} was not probed: max_probes={max_probes} reached")
+            return
+        bar.probing(len(search.probes) + 1, aim)
+        done = probe_one(aim, ahead=aim != batch)  # (after the recommended batch again, more only where it failed)
+        bar.probed(len(search.probes), done)
+        if aim != batch:
+            search.notes.append(f"batch {aim:,} was probed for the {search.margin:.0%} margin: {why}")
+        elif search.recommended != batch:
+            search.notes.append(f"batch {batch:,}, recommended by its first probe, "
+                                + (f"peaked at {format_bytes(done.peak_bytes)} in a second fresh process, over "
+                                   f"{1 - search.margin:.0%} of the limit" if done.fits else
+                                   "ran out of memory in a second fresh process")
+                                + ": a step's peak differs between processes")
+
+
+def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:
+    """The next batch to probe, or None when the edge is known to the resolution.
+
+    Before a failure: the edge the line through the peaks predicts, at least 1.25 and at most
+    GROWTH times the largest batch that trained. After one: the middle of the interval (near the
+    limit the peaks flatten, so the line misaims there), then one probe past the edge (`past`
+    holds it once made): if that trains, fitting is not monotone here and the search stops. Without
+    `probe_past` (a failure above the edge is already known) the search stops at the edge."""
+    if past:
+        return None
+    largest, failure = search.largest, search.first_failure
+    if largest is None:
+        return None
+    if failure is None:
+        if largest >= search.high:
+            return None
+        grow = largest * GROWTH
+        edge = search._line_batch(search.limit_bytes) if search.limit_bytes else None
+        if edge is not None:
+            grow = min(grow, max(edge, math.ceil(largest * 1.25)))
+        return min(search.high, max(grow, largest + 1))
+    step = max(1, math.ceil(largest * search.resolution))
+    if failure - largest <= step:
+        if not probe_past:
+            return None
+        beyond = min(search.high, failure + 4 * step)
+        if beyond > failure and beyond not in {p.batch for p in search.probes}:
+            past.append(beyond)
+            return beyond
+        return None
+    middle = math.isqrt(largest * failure) if failure > 4 * largest else (largest + failure) // 2
+    return middle if largest < middle < failure else None

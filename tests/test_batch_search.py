@@ -99,7 +99,7 @@ def test_the_probes_say_what_they_show():
 def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probed_again():
     # The search's own rule on made-up probes (a fresh process each stands behind the real ones, as the
     # first test runs them): one probe's peak does not make a batch safe, a second process's must agree.
-    from tfmem_widgets.fit.next_probe import settle_recommended
+    from tfmem_widgets.fit.next_probe import margin_aim, settle_recommended
     from tfmem_widgets.fit.progress import LineProgress
 
     def settled(measured, peaks, max_probes=16):
@@ -120,7 +120,7 @@ def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probe
     # Measured far below the margin (1,000 at 50 MiB): a probe aimed at it, a 2% step under 10% below the
     # failure at 3,400 (the line puts 90% of the limit higher, at 4,256), then that batch again, in another process.
     search, asked = settled([(1, 30), (1000, 50)], [100, 101])
-    assert search.margin_batch() == 2998 and (search.recommended, asked) == (2998, [(2998, True), (2998, False)])
+    assert margin_aim(search)[0] == 2998 and (search.recommended, asked) == (2998, [(2998, True), (2998, False)])
     assert "10% below every failure: 2,998 (in each of 2 fresh processes)" in repr(search)
     assert "batch 2,998 was probed for the 10% margin: a 2% step under 10% below the smallest failure" in repr(search)
     # The aimed batch's peak takes the margin: a second probe halfway down to the batch recommended, then that again.
@@ -149,7 +149,7 @@ def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probe
     assert (search.recommended, asked) == (1000, [])
     assert "aimed at the 10% margin was not probed: max_probes=3 reached" in repr(search)
     search.margin = 0.0  # (no margin: the search adds nothing; the recommended batch is the edge)
-    assert search.margin_batch() is None and search.recommended == 1000
+    assert margin_aim(search) is None and search.recommended == 1000
 
 
 def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():

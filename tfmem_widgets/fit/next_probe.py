@@ -21,7 +21,7 @@ MARGIN_AIMS = 2  # the second aimed by the line the first completes (a plan sear
 
 
 def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
-    """With a margin, once the edge is known: a probe aimed at the margin's batch (BatchSearch.margin_batch)
+    """With a margin, once the edge is known: a probe aimed at the margin's batch (margin_aim)
     where nothing measured lies within a step below it (a plan search measures only the edge), a second
     where the first one's peak took the margin (halfway down to the batch recommended); then the recommended
     batch probed again in another fresh process, so that its peaks left the margin free in two. A step's
@@ -31,7 +31,7 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
     aimed = 0
     for _ in range(MARGIN_PROBES):
         batch = search.recommended
-        aim, why = (None, "") if aimed >= MARGIN_AIMS else (search.margin_aim() or (None, ""))
+        aim, why = (None, "") if aimed >= MARGIN_AIMS else (margin_aim(search) or (None, ""))
         probed = {p.batch for p in search.probes}
         if aim is not None and aim not in probed and (batch is None or aim > batch + math.ceil(batch * search.resolution)):
             aimed, what = aimed + 1, f"a probe aimed at the {search.margin:.0%} margin"
@@ -53,6 +53,36 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
                                    f"{1 - search.margin:.0%} of the limit" if done.fits else
                                    "ran out of memory in a second fresh process")
                                 + ": a step's peak differs between processes")
+
+
+def margin_aim(search) -> tuple[int, str] | None:
+    """The batch a search's margin aims at, and why: where the line through the peaks meets the limit less the
+    margin, or the margin below the smallest failure, the lower, a resolution step under it (its peak is
+    not to sit on the margin's edge); where a batch's peak took the margin, halfway between the
+    recommended batch and it, if lower (near the limit a pool's peaks stop following the line: in lab
+    mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB). At most `high`; None without a
+    margin, a limit, or a line or a failure."""
+    if not search.margin or search.limit_bytes is None:
+        return None
+    budget = search.within_margin_bytes(search.limit_bytes)
+    lowest = min(search._failures(), default=None)
+    aims = [(b, how) for b, how in (
+        (search._line_batch(budget), f"where the line through the peaks meets {1 - search.margin:.0%} of the limit"),
+        (None if lowest is None else lowest * (1 - search.margin), f"{search.margin:.0%} below the smallest failure"))
+        if b is not None]
+    if not aims:
+        return None
+    batch, how = min(aims)
+    aim, why = int(batch * (1 - search.resolution)), f"a {search.resolution:.0%} step under {how}"
+    over = min((p.batch for p in search.fitted if p.peak_bytes > budget), default=None)
+    below = search.recommended
+    if over is not None:
+        half = (below + over) // 2 if below is not None and below < over else over
+        if half < aim:
+            aim, why = half, (f"halfway from {below:,} to {over:,}, whose peak took the margin"
+                              if half != over else f"{over:,}, whose peak took the margin")
+    aim = max(search.low, min(search.high, aim))
+    return aim, why
 
 
 def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:

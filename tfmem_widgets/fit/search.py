@@ -197,40 +197,6 @@ class BatchSearch(LinesText):
                   and (top is None or p.batch <= top)]
         return max(within) if within else None
 
-    def margin_batch(self) -> int | None:
-        """The batch a margin aims at (margin_aim)."""
-        aim = self.margin_aim()
-        return None if aim is None else aim[0]
-
-    def margin_aim(self) -> tuple[int, str] | None:
-        """The batch a margin aims at, and why: where the line through the peaks meets the limit less the
-        margin, or the margin below the smallest failure, the lower, a resolution step under it (its peak is
-        not to sit on the margin's edge); where a batch's peak took the margin, halfway between the
-        recommended batch and it, if lower (near the limit a pool's peaks stop following the line: in lab
-        mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB). At most `high`; None without a
-        margin, a limit, or a line or a failure."""
-        if not self.margin or self.limit_bytes is None:
-            return None
-        budget = self.within_margin_bytes(self.limit_bytes)
-        lowest = min(self._failures(), default=None)
-        aims = [(b, how) for b, how in (
-            (self._line_batch(budget), f"where the line through the peaks meets {1 - self.margin:.0%} of the limit"),
-            (None if lowest is None else lowest * (1 - self.margin), f"{self.margin:.0%} below the smallest failure"))
-            if b is not None]
-        if not aims:
-            return None
-        batch, how = min(aims)
-        aim, why = int(batch * (1 - self.resolution)), f"a {self.resolution:.0%} step under {how}"
-        over = min((p.batch for p in self.fitted if p.peak_bytes > budget), default=None)
-        below = self.recommended
-        if over is not None:
-            half = (below + over) // 2 if below is not None and below < over else over
-            if half < aim:
-                aim, why = half, (f"halfway from {below:,} to {over:,}, whose peak took the margin"
-                                  if half != over else f"{over:,}, whose peak took the margin")
-        aim = max(self.low, min(self.high, aim))
-        return aim, why
-
     def trained_at(self, batch: int) -> int:
         """How many probes trained at `batch`."""
         return sum(1 for p in self.fitted if p.batch == batch)

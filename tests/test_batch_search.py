@@ -50,7 +50,7 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes(monkeypatch):
     recommended = search.recommended
     assert recommended is not None and recommended <= 0.9 * failure and search.trained_at(recommended) >= 2
     assert all(p.peak_bytes <= 0.9 * 128 * MiB for p in search.fitted if p.batch == recommended)
-    assert len(search.probes) <= 12 + 4  # the search's own, then at most 4 for the margin (next_probe.MARGIN_PROBES)
+    assert len(search.probes) - search.margin_probes <= 12 and search.margin_probes <= 4  # (next_probe.MARGIN_PROBES)
     search.margin = 0.0
     assert search.recommended == safe  # no margin: below every failure
     # More probes join the search, each in a fresh process; none is started to wait after the last.
@@ -125,11 +125,15 @@ def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probe
     assert "batch 2,998 was probed for the 10% margin: a 2% step under 10% below the smallest failure" in repr(search)
     # The aimed batch's peak takes the margin: a second probe halfway down to the batch recommended, then that again.
     search, asked = settled([(1, 30), (1000, 50)], [120, 110, 111])
-    second = asked[1][0]
-    assert second == (1000 + 2998) // 2 and (search.recommended, asked) == (second, [(2998, True), (second, True),
-                                                                             (second, False)])
-    assert f"batch {second:,} was probed for the 10% margin: halfway from 1,000 to 2,998, whose peak took the " \
-        "margin" in repr(search)
+    assert (search.recommended, asked) == (1999, [(2998, True), (1999, True), (1999, False)])
+    assert "batch 1,999 was probed for the 10% margin: halfway from 1,000 to 2,998, whose peak took the margin" \
+        in repr(search)
+    # A batch at or under the aim took the margin already (near the limit peaks stop following the line):
+    # halfway from the batch recommended to it.
+    search, asked = settled([(1, 30), (1000, 50), (2000, 118)], [100, 101])
+    assert (search.recommended, [b for b, _ in asked]) == (1500, [1500, 1500])
+    assert "batch 1,500 was probed for the 10% margin: halfway from 1,000 to 2,000, whose peak took the margin" \
+        in repr(search)
     # Its second probe runs out of memory: a failure now, 10% below which a second aim lands, probed twice.
     search, asked = settled([(1, 30), (1000, 50)], [100, None, 95, 96])
     second = asked[2][0]
@@ -150,6 +154,69 @@ def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probe
     assert "aimed at the 10% margin was not probed: max_probes=3 reached" in repr(search)
     search.margin = 0.0  # (no margin: the search adds nothing; the recommended batch is the edge)
     assert margin_aim(search) is None and search.recommended == 1000
+    # A batch below the recommended one whose peak took the margin (near the edge peaks need not rise with the
+    # batch) does not hold the aim down: it aims 10% below the failure, a step under.
+    search, asked = settled([(1, 30), (1000, 120), (2000, 60), (2500, 80)], [90, 91])
+    assert (search.recommended, [b for b, _ in asked]) == (2998, [2998, 2998]) and search.margin_probes == 2
+    # Nothing measured within the margin, no line (one batch trained, as after a plan search) and that batch
+    # under the aim: the aim goes the margin below it.
+    search, asked = settled([(1000, 120)], [100, 101])
+    assert (search.recommended, asked) == (900, [(900, True), (900, False)])
+    assert "batch 900 was probed for the 10% margin: 10% below 1,000, whose peak took the margin" in repr(search)
+    # A batch's peak that took the margin above the aim leaves the aim where the line and the failure put it.
+    search, asked = settled([(1, 30), (1000, 50), (3300, 126)], [100, 101])
+    assert asked[0][0] > (1000 + 3300) // 2 and "a 2% step under where the line through the peaks" in repr(search)
+
+
+def _made_up_search(monkeypatch, edge, peak, raise_at=None):
+    """max_batch_size itself, its fresh processes made up (the real ones: the first test): a batch up to `edge`
+    trains with the peak peak(batch), one above runs out of memory; the probe that would be the `raise_at`th
+    raises that exception instead."""
+    import contextlib
+
+    import tfmem_widgets.fit.search as search_module
+
+    @contextlib.contextmanager
+    def probing(search, pairs=False):
+        def probe_one(batch, ahead=True):
+            if raise_at is not None and len(search.probes) + 1 == raise_at[0]:
+                raise raise_at[1]
+            probe = Probe(batch, peak(batch), 1.0) if batch <= edge else Probe(batch, None, 2.0, "limit")
+            if search.limit_bytes is None:
+                search.limit_bytes, search.limit_source = 128 * MiB, "lab mode"
+            search.probes.append(probe)
+            return probe
+
+        probe_one.pair = probe_one.begin_pair = None
+        yield probe_one
+
+    monkeypatch.setattr(search_module, "probing", probing)
+    return tfmem_widgets.max_batch_size(lambda: None, lambda n: None, setup={"lab_mb": 128}, high=16384,
+                                        margin=0.1, progress=False, method="probe")
+
+
+def test_the_margins_probes_follow_the_edge_and_a_stop_there_keeps_the_edge(monkeypatch):
+    def peak(batch):
+        return int(30 * MiB + batch * 24 * 1024)  # 128 MiB at 4,266 rows
+
+    search = _made_up_search(monkeypatch, 4200, peak)
+    own = len(search.probes) - search.margin_probes
+    safe, failure = search.edge
+    assert failure - safe <= max(1, -(-safe * search.resolution // 1)) and own <= 12
+    recommended = search.recommended
+    assert search.margin_probes == 2 and search.trained_at(recommended) == 2 and recommended <= 0.9 * failure
+    assert f"{len(search.probes)} probes in" in repr(search) and "(2 of them for the margin" in repr(search)
+    # Ctrl-C in the margin's second probe: the edge stands, the search says where it stopped.
+    search = _made_up_search(monkeypatch, 4200, peak, raise_at=(own + 2, KeyboardInterrupt()))
+    assert search.interrupted and search.edge == (safe, failure) and search.margin_probes == 1
+    assert "interrupted while probing for the margin, after the edge was known: the recommended batch was " \
+        "measured by 1 probe(s)" in repr(search)
+    # A margin probe's process failing (not an OOM) ends the margin's probes with a note; the edge stands.
+    search = _made_up_search(monkeypatch, 4200, peak, raise_at=(own + 2, SetupError("max_batch_size: the probe "
+                                                                                    "at batch 3,600 ran past 600 s")))
+    assert not search.interrupted and search.edge == (safe, failure)
+    assert "the margin's probes stopped: max_batch_size: the probe at batch 3,600 ran past 600 s" in repr(search)
+    assert f"the recommended batch {search.recommended:,} was measured by one probe only" in repr(search)
 
 
 def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():
@@ -356,11 +423,11 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     from tfmem_widgets.fit.plan_then_probe import DONE, UP, plan_first
     from tfmem_widgets.fit.progress import LineProgress
 
-    def searched(proven):
+    def searched(proven, margin=0.0):
         found = PlanSearch(117_000, 119_000, [], 30.0, True, 2000 * 1_000_000, "logical device limit",
                            proven_failure=proven, proven_bytes=None if proven is None else 2_001_000_000)
         monkeypatch.setattr(fresh, "run_checked", lambda *a, **k: SimpleNamespace(values={"found": found}))
-        search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
+        search = BatchSearch([], 1, 262144, 2, margin, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
         probed = []
 
         def probe_one(batch, ahead=True):
@@ -378,6 +445,11 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     search, then, probed = searched(None)  # an autotuner or the pool's regions decide: the probe past it runs
     assert (then, probed, search.edge) == (DONE, [(117_000, True), (119_340, False)], (117_000, 119_340))
     assert then != UP and search.planned_failure is None
+    # With a margin its probes follow the edge: a process waits after each of these (its import done ahead).
+    search, then, probed = searched(119_000, margin=0.05)
+    assert (then, probed) == (DONE, [(117_000, True)])
+    search, then, probed = searched(None, margin=0.05)
+    assert (then, probed) == (DONE, [(117_000, True), (119_340, True)])
 
 
 def _gpu_probes(search, edge):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import SetupError
 from ..units import format_bytes
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
@@ -21,46 +22,67 @@ MARGIN_AIMS = 2  # the second aimed by the line the first completes (a plan sear
 
 
 def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
-    """With a margin, once the edge is known: a probe aimed at the margin's batch (margin_aim)
-    where nothing measured lies within a step below it (a plan search measures only the edge), a second
-    where the first one's peak took the margin (halfway down to the batch recommended); then the recommended
-    batch probed again in another fresh process, so that its peaks left the margin free in two. A step's
-    peak at one batch differs between processes (a graph step's in lab mode: 88 to 105 MiB at 4,096 in
-    nine; a batch recommended by one probe ran out of memory in the next one). Where the second probe's
-    peak takes the margin, or it does not train, the rule recommends a lower batch, probed again in turn."""
+    """With a margin, once the edge is known: a probe aimed at the margin's batch (margin_aim) where
+    nothing measured lies within a step below it (a plan search measures only the edge), and a second
+    where the first did not become the recommended batch (its peak took the margin, or it did not
+    train); then the recommended batch probed again in another fresh process, so that its peaks left
+    the margin free in two, and no aim after that. A step's peak at one batch differs between processes
+    (a graph step's in lab mode: 88 to 105 MiB at 4,096 in nine; a batch recommended by one probe ran out
+    of memory in the next one). Where the second probe's peak takes the margin, or it does not train,
+    the rule recommends a lower batch, aimed at or probed again in turn. At most MARGIN_PROBES probes and
+    max_probes in all; the search's `margin_probes` counts them. A probe that fails otherwise (its
+    process died, ran past the timeout) ends this with a note: the edge found stands."""
     aimed = 0
-    for _ in range(MARGIN_PROBES):
+    for left in range(MARGIN_PROBES, 0, -1):
         batch = search.recommended
-        aim, why = (None, "") if aimed >= MARGIN_AIMS else (margin_aim(search) or (None, ""))
-        probed = {p.batch for p in search.probes}
-        if aim is not None and aim not in probed and (batch is None or aim > batch + math.ceil(batch * search.resolution)):
+        aim, why = (None, "") if aimed >= MARGIN_AIMS else (margin_aim(search, bisect=aimed > 0) or (None, ""))
+        if aim is not None and aim not in {p.batch for p in search.probes} and (
+                batch is None or aim > batch + math.ceil(batch * search.resolution)):
             aimed, what = aimed + 1, f"a probe aimed at the {search.margin:.0%} margin"
         elif batch is not None and search.trained_at(batch) == 1:
             aim, what = batch, "the recommended batch again"
         else:
-            return
+            break
         if len(search.probes) >= max_probes:
             search.notes.append(f"{what} was not probed: max_probes={max_probes} reached")
-            return
+            break
+        # a process waits for the next probe only where one may follow (after the batch again, where it failed)
+        ahead = aim != batch and left > 1 and len(search.probes) + 1 < max_probes
         bar.probing(len(search.probes) + 1, aim)
-        done = probe_one(aim, ahead=aim != batch)  # (after the recommended batch again, more only where it failed)
+        try:
+            done = probe_one(aim, ahead=ahead)
+        except SetupError as exc:  # (a probe's own failure: the search's edge stands)
+            search.notes.append(f"the margin's probes stopped: {exc}")
+            break
+        search.margin_probes += 1
         bar.probed(len(search.probes), done)
         if aim != batch:
             search.notes.append(f"batch {aim:,} was probed for the {search.margin:.0%} margin: {why}")
-        elif search.recommended != batch:
-            search.notes.append(f"batch {batch:,}, recommended by its first probe, "
-                                + (f"peaked at {format_bytes(done.peak_bytes)} in a second fresh process, over "
-                                   f"{1 - search.margin:.0%} of the limit" if done.fits else
-                                   "ran out of memory in a second fresh process")
-                                + ": a step's peak differs between processes")
+            if search.recommended == aim:
+                aimed = MARGIN_AIMS  # it stands: probed again next, no aim after it
+            continue
+        if search.recommended == batch:
+            break  # its peaks left the margin free in two processes
+        aimed = min(aimed, MARGIN_AIMS - 1)  # it did not hold: an aim below it, where one is left
+        search.notes.append(f"batch {batch:,}, recommended by its first probe, "
+                            + (f"peaked at {format_bytes(done.peak_bytes)} in a second fresh process, over "
+                               f"{1 - search.margin:.0%} of the limit" if done.fits else
+                               "ran out of memory in a second fresh process")
+                            + ": a step's peak differs between processes")
+    rec = search.recommended
+    if rec is not None and search.trained_at(rec) < 2:
+        search.notes.append(f"the recommended batch {rec:,} was measured by one probe only")
 
 
-def margin_aim(search) -> tuple[int, str] | None:
+def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
     """The batch a search's margin aims at, and why: where the line through the peaks meets the limit less the
     margin, or the margin below the smallest failure, the lower, a resolution step under it (its peak is
     not to sit on the margin's edge); where a batch's peak took the margin, halfway between the
-    recommended batch and it, if lower (near the limit a pool's peaks stop following the line: in lab
-    mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB). At most `high`; None without a
+    recommended batch and the smallest batch above it whose peak took the margin, where that batch lies
+    at or under the aim, or (bisect: an aim took the margin already) wherever halfway is lower (without a
+    recommended batch, the margin below that batch): near the limit a pool's peaks stop following the
+    line (in lab mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB; the line through the
+    smaller batches put 90% of the limit at 5,500). At most `high`; None without a
     margin, a limit, or a line or a failure."""
     if not search.margin or search.limit_bytes is None:
         return None
@@ -74,13 +96,14 @@ def margin_aim(search) -> tuple[int, str] | None:
         return None
     batch, how = min(aims)
     aim, why = int(batch * (1 - search.resolution)), f"a {search.resolution:.0%} step under {how}"
-    over = min((p.batch for p in search.fitted if p.peak_bytes > budget), default=None)
     below = search.recommended
-    if over is not None:
-        half = (below + over) // 2 if below is not None and below < over else over
+    over = min((p.batch for p in search.fitted if p.peak_bytes > budget and (below is None or p.batch > below)),
+               default=None)
+    if over is not None and (over <= aim or bisect):  # a batch at or under the aim took the margin already
+        half, how = ((below + over) // 2, f"halfway from {below:,} to {over:,}") if below is not None else \
+            (int(over * (1 - search.margin)), f"{search.margin:.0%} below {over:,}")
         if half < aim:
-            aim, why = half, (f"halfway from {below:,} to {over:,}, whose peak took the margin"
-                              if half != over else f"{over:,}, whose peak took the margin")
+            aim, why = half, f"{how}, whose peak took the margin"
     aim = max(search.low, min(search.high, aim))
     return aim, why
 

@@ -108,7 +108,8 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
     so if it fits it is the answer), its two probes run while it compiles (on a GPU a compile near
     the edge takes seconds), where the machine has room for two then. They stand whatever that plan
     says: where it did not fit and its probe did not train either, the plans' answer below it is
-    probed next. The probes after the pair stop at max_probes."""
+    probed next. The probes after the pair stop at max_probes (then FROM_LOW: the search says it stopped
+    there). With a margin, a process waits after the last probe it expects: the margin's probes follow."""
     from ..errors import FreshRunError
     from ..units import format_bytes
     from .fresh import run_checked
@@ -192,7 +193,8 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
             _show_probed(search, progress, both)
             return _after_pair(search, both, answer, step, probe, max_probes)
 
-    if probe(answer, ahead=not last):
+    margin = bool(search.margin)  # its probes follow the edge (fit/next_probe.settle_recommended)
+    if probe(answer, ahead=not last or margin):
         if answer >= search.high:
             return DONE
         if last:
@@ -202,7 +204,7 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
                                 f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
                                 "takes less than its plan)")
             return DONE
-        return UP if probe(past, ahead=False) else DONE  # trained too: the plans were low
+        return UP if probe(past, ahead=margin) else DONE  # trained too: the plans were low
     return _step_down(search, answer, step, probe, max_probes)
 
 

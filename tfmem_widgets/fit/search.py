@@ -65,6 +65,7 @@ class BatchSearch(LinesText):
     plan_answer: int | None = None  # the largest batch the plans fit (the plan search's answer, probed first)
     overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
     beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
+    margin_probes: int = 0  # of the probes, those a margin added after the edge was known (fit/next_probe.py)
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -182,7 +183,7 @@ class BatchSearch(LinesText):
 
     def measured_peak(self, batch: int) -> int | None:
         """The highest peak the probes measured at `batch` where one trained there (None otherwise)."""
-        return max((p.peak_bytes for p in self.fitted if p.batch == batch), default=None)
+        return max((p.peak_bytes for p in self.fitted if p.batch == batch and p.peak_bytes), default=None)
 
     def _largest_measured_within(self, budget: float) -> int | None:
         """The largest batch probes trained at whose peak stayed within `budget` in every probe there, and
@@ -193,7 +194,7 @@ class BatchSearch(LinesText):
         lowest = min(self._failures(), default=None)
         top = None if lowest is None else lowest * (1 - self.margin)
         over = {p.batch for p in self.fitted if p.peak_bytes > budget}
-        within = [p.batch for p in self.fitted if p.peak_bytes <= budget and p.batch not in over
+        within = [p.batch for p in self.fitted if p.peak_bytes and p.peak_bytes <= budget and p.batch not in over
                   and (top is None or p.batch <= top)]
         return max(within) if within else None
 
@@ -252,7 +253,7 @@ class BatchSearch(LinesText):
             rec = self.recommended
             out.append(f"  largest batch that trained: {largest:,}"
                        + (f"; below every failure: {safe:,}" if safe != largest and safe is not None else "")
-                       + (f"; recommended, its measured peak leaving {self.margin:.0%} of the limit free"
+                       + (f"; recommended, its measured peaks leaving {self.margin:.0%} of the limit free"
                           + (f", {self.margin:.0%} below every failure" if failure is not None else "") + f": {rec:,}"
                           + (f" (in each of {self.trained_at(rec)} fresh processes)" if self.trained_at(rec) > 1
                              else "") if self.margin and rec is not None else "")
@@ -281,6 +282,8 @@ class BatchSearch(LinesText):
             out.append(f"  a fresh process to plan first: {self.plan_seconds:.0f} s, no plans (the notes say why)")
         out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
                    f"{sum(p.seconds for p in self.probes) - self.overlap_seconds:.0f} s, each in a fresh process"
+                   + (f" ({self.margin_probes} of them for the margin, after the edge was known)"
+                      if self.margin_probes else "")
                    + (" (two side by side" if self.overlap_seconds else "")
                    + (f", {self.beside_plans_seconds:.0f} s of it while the plans were made" if self.beside_plans_seconds
                       else "")
@@ -371,7 +374,8 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                    max_probes: int = 16, progress: str | bool | None = None,
                    env: Mapping[str, str] | None = None, method: str = "auto") -> BatchSearch:
     """The largest batch `build_model()`'s model trains with, each probe in a fresh process (started
-    while the one before it runs, except after the probes that confirm plans, expected to be the last:
+    while the one before it runs, except after the probes that confirm plans, expected to be the last
+    where no margin's probes follow (after two side by side, none: a third would share their cores):
     its imports done ahead, its setup and TensorFlow's runtime begun only when its batch is known,
     fit/warm.py).
 
@@ -380,7 +384,10 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     setup:       tfmem_widgets.setup() options for every probe's process, e.g. {"lab_mb": 256}
                  (lab mode: CPU kernels) or {"limit_mb": 16000} (as if on a card of 16 GB).
     low, high:   the batches searched between; steps: train steps a probe runs.
-    margin:      the fraction of the limit `recommended` leaves free.
+    margin:      the fraction of the limit `recommended` leaves free by its measured peaks, and of the batch
+                 below every failure; with one, once the edge is known, up to 4 probes more (counted in
+                 max_probes): aimed at the margin where nothing measured is near it, and the recommended
+                 batch again in another process.
     resolution:  the search stops when the edge is known within this fraction of the batch.
     probe_timeout: seconds before a probe, and every process it started, is stopped.
     progress:    None: a bar in a notebook (with the extension loaded), a line per probe elsewhere; "lines";
@@ -437,6 +444,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     with search._probing(pairs) as probe_one:
         batch: int | None = low
         probe_past = True
+        settling = False
         try:
             if method != "probe":
                 from .plan_then_probe import BETWEEN, DONE, UP, plan_first
@@ -457,9 +465,14 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                                      f"; {search.where}): raise the limit or make the model smaller.")
                 batch = next_batch(search, past, probe_past)
             if margin and batch is None:
+                settling = True
                 settle_recommended(search, probe_one, bar, max_probes)
         except KeyboardInterrupt:
             search.interrupted = True
+            if settling:
+                search.notes.append("interrupted while probing for the margin, after the edge was known: the "
+                                    f"recommended batch was measured by {search.trained_at(search.recommended or 0)} "
+                                    "probe(s)")
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
             within = search.first_failure is not None and search.largest is not None and \
                 search.first_failure - search.largest <= max(1, math.ceil(search.largest * resolution))

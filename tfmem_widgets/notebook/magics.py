@@ -204,7 +204,9 @@ def _parsers():
     batch.add_argument("--steps", type=_search_count("steps"), action=_Once, default=2, metavar="K",
                        help="train steps a probe runs (default 2)")
     batch.add_argument("--margin", type=_fraction, action=_Once, default=0.0, metavar="F",
-                       help="the fraction of the limit the recommended batch leaves free (default 0)")
+                       help="the fraction of the limit the recommended batch leaves free by its measured peaks, "
+                            "and of the batch below every failure; probes aimed at it and the batch again "
+                            "follow the edge (default 0)")
     batch.add_argument("--timeout", type=_fresh_timeout, action=_Once, default=600.0, metavar="S|none",
                        help="stop a probe (and what it started) after S seconds (default 600)")
     batch.add_argument("--env", action="append", type=_env_assignment, default=[], metavar="NAME=VALUE",

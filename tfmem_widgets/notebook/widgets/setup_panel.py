@@ -192,18 +192,19 @@ class SetupPanel(FullTextForm, w.VBox):
             if search.margin:
                 kept, measured_kept = search.within_margin(limit)
                 if kept is None:
-                    text += f"; no batch measured left a margin of {search.margin:.0%} free"
+                    text += (f"; no batch measured left a margin of {search.margin:.0%} free, the margin below every "
+                             "failure")
                 else:
                     text += (f"; {kept:,} with a margin of {search.margin:.0%} ("
                              + ("measured: its peaks left the margin free, the margin below every failure" if measured_kept
                                 else "by the line") + ")")
             lines.append(text + ".")
             largest = search.edge[0]
-            measured = next((p for p in search.fitted if p.batch == largest), None)
+            measured = None if largest is None else search.measured_peak(largest)  # (the highest of its probes)
             if search.limit_bytes and measured is not None:
-                spare = limit - measured.peak_bytes
+                spare = limit - measured
                 lines.append(f"Measured: {largest:,} trained under {format_bytes(search.limit_bytes)} with a peak of "
-                             f"{format_bytes(measured.peak_bytes)}; at this limit that leaves "
+                             f"{format_bytes(measured)}; at this limit that leaves "
                              f"{format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
             if search.limit_bytes and limit > search.limit_bytes:
                 lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the line "

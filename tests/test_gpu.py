@@ -532,7 +532,7 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     setup, env = {"limit_mb": 1000}, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
     assert room_for_two(setup, env) is not None, "a lent card holds two processes of 1000 MB and more"
     search = tfmem_widgets.max_batch_size(*search_functions(jit=True), setup=setup, env=env, high=262144, method="plan",
-                                          progress=False, margin=0.05)
+                                          progress=False, margin=0.2)
     print(repr(search))
     answer, past = search.probes[0].batch, search.probes[1].batch
     assert search.plans and past == answer + math.ceil(answer * 0.02)
@@ -541,8 +541,11 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     largest, failure = search.edge
     assert largest is not None and failure is not None and failure - largest <= math.ceil(largest * 0.02)
     assert search.limit_bytes == 1000 * MiB  # read by a probe that trained (one ended at its first refusal reads none)
-    # The plans measured only the edge: with a 5% margin a probe is aimed 5% below the failure, and the batch
-    # recommended is probed in a second process; its peaks left 5% of the limit free in both.
+    # The plans measured only the edge: with a margin, probes are aimed below the failure, and the batch
+    # recommended is probed in a second process; its peaks left the margin free in both. (A margin over 128 MiB:
+    # under it, near the edge a step's buffer takes a free chunk whole, and the peaks there count the chunk: at
+    # 5% of this limit, 51,628 and 54,367 rows both peaked at 992.2 MiB.)
     recommended = search.recommended
-    assert recommended is not None and recommended <= 0.95 * failure and search.trained_at(recommended) >= 2
-    assert all(p.peak_bytes <= 0.95 * 1000 * MiB for p in search.fitted if p.batch == recommended)
+    assert recommended is not None and 0.5 * failure <= recommended <= 0.8 * failure
+    assert search.trained_at(recommended) >= 2 and 2 <= search.margin_probes <= 4
+    assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)

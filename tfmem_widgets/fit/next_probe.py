@@ -72,31 +72,40 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
     rec = search.recommended
     if rec is not None and search.trained_at(rec) < 2:
         search.notes.append(f"the recommended batch {rec:,} was measured by one probe only")
+    alike = chunk_bound_peaks(search)
+    if alike is not None:
+        a, b, peak = alike
+        search.notes.append(f"batches {a:,} and {b:,} peaked alike, at {format_bytes(peak)}: a step's buffer took a "
+                            "free chunk whole in both (the allocator splits a chunk only where it is twice the request "
+                            "or 128 MiB larger), so near the edge a peak counts the chunk, not the step, and a margin "
+                            "under 128 MiB may not be read from peaks there: ask a larger one, or take a batch the "
+                            "margin below the smallest failure and probe it (search.probe)")
 
 
 def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
-    """The batch a search's margin aims at, and why: where the line through the peaks meets the limit less the
-    margin, or the margin below the smallest failure, the lower, a resolution step under it (its peak is
-    not to sit on the margin's edge); where a batch's peak took the margin, halfway between the
-    recommended batch and the smallest batch above it whose peak took the margin, where that batch lies
-    at or under the aim, or (bisect: an aim took the margin already) wherever halfway is lower (without a
-    recommended batch, the margin below that batch): near the limit a pool's peaks stop following the
-    line (in lab mode 120 to 126 MiB from 4,900 to 6,066 rows, the limit 128 MiB; the line through the
-    smaller batches put 90% of the limit at 5,500). At most `high`; None without a
-    margin, a limit, or a line or a failure."""
+    """The batch a search's margin aims at, and why: a resolution step under the margin below the smallest
+    failure, or under where the line through the peaks meets the limit less the margin, the lower (its
+    peak is not to sit on the margin's edge). Where a batch at or under that took the margin, or (bisect)
+    after an aim took it: halfway from the recommended batch to the smallest batch above it whose peak took
+    the margin, where lower (without a recommended batch, the margin below that batch). The line counts
+    only above the recommended batch, and not where two batches peaked alike (chunk_bound_peaks): near the
+    edge a step's buffer takes a free chunk whole (the allocator splits a chunk only where it is twice the
+    request or 128 MiB larger), so the peaks there count chunks (on an H200 under a 1000 MB limit, 51,628
+    and 54,367 rows both peaked at 992.2 MiB, and the line through them put 95% of the limit at no batch
+    at all). At most `high`; None without a margin, a limit, or a failure or a line."""
     if not search.margin or search.limit_bytes is None:
         return None
     budget = search.within_margin_bytes(search.limit_bytes)
     lowest = min(search._failures(), default=None)
-    aims = [(b, how) for b, how in (
-        (search._line_batch(budget), f"where the line through the peaks meets {1 - search.margin:.0%} of the limit"),
-        (None if lowest is None else lowest * (1 - search.margin), f"{search.margin:.0%} below the smallest failure"))
-        if b is not None]
+    below = search.recommended
+    aims = [] if lowest is None else [(lowest * (1 - search.margin), f"{search.margin:.0%} below the smallest failure")]
+    line = None if chunk_bound_peaks(search) else search._line_batch(budget)
+    if line is not None and line > (below or 0):
+        aims.append((line, f"where the line through the peaks meets {1 - search.margin:.0%} of the limit"))
     if not aims:
         return None
     batch, how = min(aims)
     aim, why = int(batch * (1 - search.resolution)), f"a {search.resolution:.0%} step under {how}"
-    below = search.recommended
     over = min((p.batch for p in search.fitted if p.peak_bytes > budget and (below is None or p.batch > below)),
                default=None)
     if over is not None and (over <= aim or bisect):  # a batch at or under the aim took the margin already
@@ -106,6 +115,19 @@ def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
             aim, why = half, f"{how}, whose peak took the margin"
     aim = max(search.low, min(search.high, aim))
     return aim, why
+
+
+def chunk_bound_peaks(search) -> tuple[int, int, int] | None:
+    """Two batches that trained with the same peak (within 0.01%) over the margin's part of the limit, and
+    that peak: a step's buffer took a free chunk whole in both (the peak counts the chunk, not the step)."""
+    if not search.margin or search.limit_bytes is None:
+        return None
+    budget = search.within_margin_bytes(search.limit_bytes)
+    over = sorted((p.peak_bytes, p.batch) for p in search.fitted if p.peak_bytes > budget)
+    for (peak_a, a), (peak_b, b) in zip(over, over[1:]):
+        if a != b and peak_b - peak_a <= peak_b * 1e-4:
+            return min(a, b), max(a, b), peak_b
+    return None
 
 
 def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:

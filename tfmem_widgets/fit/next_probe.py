@@ -18,7 +18,7 @@ GROWTH = 16  # the most a probe grows the batch before a failure is seen
 
 
 MARGIN_PROBES = 4  # the most probes a margin adds: aimed at it (twice at most), the batch recommended again
-MARGIN_AIMS = 2  # the second aimed by the line the first completes (a plan search measured one batch that trained)
+MARGIN_AIMS = 2  # the second halfway down, where the first's peak took the margin or it did not hold
 
 
 def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
@@ -77,9 +77,9 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
         a, b, peak = alike
         search.notes.append(f"batches {a:,} and {b:,} peaked alike, at {format_bytes(peak)}: a step's buffer took a "
                             "free chunk whole in both (the allocator splits a chunk only where it is twice the request "
-                            "or 128 MiB larger), so near the edge a peak counts the chunk, not the step, and a margin "
-                            "under 128 MiB may not be read from peaks there: ask a larger one, or take a batch the "
-                            "margin below the smallest failure and probe it (search.probe)")
+                            "or 128 MiB larger), so near the edge a peak counts the chunk, not the step; the line "
+                            "through such peaks aimed nothing, and the recommended batch is one whose own peaks left "
+                            "the margin free")
 
 
 def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:

@@ -100,9 +100,10 @@ def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_do
     assert hot.limit_bytes == cold.limit_bytes == 64 << 20
     assert hot.limit_source == cold.limit_source and "lab" in hot.limit_source
     # The same step in the same allocator: its peak, up to the input pipeline's 128 KiB buffer, which
-    # meets the step's peak in some runs and not in others, warm or cold (measured here: 935,168 B or
-    # 1,066,240 B in four of each).
-    assert abs(hot.peak_bytes - cold.peak_bytes) <= 128 << 10, (hot.peak_bytes, cold.peak_bytes)
+    # meets the step's peak in some runs and not in others, warm or cold, and a few 256-byte chunks of the
+    # fit's scalars (measured here: 935,168 B or 1,066,240 B in four of each; a fresh-clone run saw
+    # 1,066,752 B, two chunks more, beside 935,168 B).
+    assert abs(hot.peak_bytes - cold.peak_bytes) <= (128 << 10) + 4 * 256, (hot.peak_bytes, cold.peak_bytes)
     assert seen.read_text().split() == ["0", "0"]  # oneDNN off in both, as the lab setup makes it
     assert not _children() and not warm.path.exists()
 

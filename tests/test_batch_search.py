@@ -94,6 +94,13 @@ def test_the_probes_say_what_they_show():
     text = repr(search)
     assert "warning: not monotone: 3,500 trained although 3,000 ran out of memory" in text
     assert "recommended, its measured peaks leaving 10% of the limit free, 10% below every failure: 2,000" in text
+    # One batch that trained in one fresh process and ran out of memory in another is not monotone either.
+    search.probes[:] = [Probe(1, 30 * MiB, 1.0), Probe(2000, 70 * MiB, 1.0), Probe(2000, None, 2.0, "limit"),
+                        Probe(2040, None, 2.0, "limit")]
+    assert search.not_monotone == [(2000, 2000)] and search.edge == (1, 2000)
+    assert "warning: not monotone: 2,000 trained in one fresh process and ran out of memory in another" in repr(search)
+    search.probes[2:3] = []
+    assert search.monotone and "not monotone" not in repr(search)
 
 
 def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probed_again():

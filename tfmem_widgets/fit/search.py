@@ -114,15 +114,17 @@ class BatchSearch(LinesText):
 
     @property
     def monotone(self) -> bool:
-        """False when a batch trained although a smaller one ran out of memory."""
+        """False when a batch trained although a smaller one, or the same one in another process, ran
+        out of memory."""
         return not self.not_monotone
 
     @property
     def not_monotone(self) -> list[tuple[int, int]]:
-        """(failed batch, larger batch that trained) pairs."""
+        """(failed batch, the largest batch at or above it that trained) pairs: equal where one batch
+        trained in one fresh process and ran out of memory in another (each failed batch once)."""
         fitted = [p.batch for p in self.fitted]
-        return [(f.batch, max(b for b in fitted if b > f.batch)) for f in self.failed
-                if any(b > f.batch for b in fitted)]
+        failed = sorted({f.batch for f in self.failed})
+        return [(f, max(b for b in fitted if b >= f)) for f in failed if any(b >= f for b in fitted)]
 
     def peak_model(self) -> tuple[float, float] | None:
         """(fixed bytes, bytes per example) of a straight line through the peaks of the batches
@@ -298,8 +300,10 @@ class BatchSearch(LinesText):
                     what += f"; the process {p.died}"
             out.append(f"    batch {p.batch:>8,}: {what} ({p.seconds:.1f} s)")
         for failed, trained in self.not_monotone:
-            out.append(f"  warning: not monotone: {trained:,} trained although {failed:,} ran out of memory: near "
-                       "the edge the allocator's regions and chunk rounding decide; keep a margin")
+            what = (f"{trained:,} trained in one fresh process and ran out of memory in another" if trained == failed
+                    else f"{trained:,} trained although {failed:,} ran out of memory")
+            out.append(f"  warning: not monotone: {what}: near the edge the allocator's regions and chunk rounding "
+                       "decide; keep a margin")
         if self.interrupted:
             out.append("  interrupted: the search stopped with the probes above")
         if largest is not None:

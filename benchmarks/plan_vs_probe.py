@@ -165,16 +165,18 @@ def main() -> None:
     import tensorflow  # noqa: F401
 
     print("\n== what fits: the probe search and the plan search, one after the other, " + json.dumps(search_setup))
-    found = {}
+    found, cpu = {}, {}
     for method in ("probe", "plan"):
-        started = time.perf_counter()
+        started, before = time.perf_counter(), _cpu_of_children()
         search = tfmem_widgets.max_batch_size(namespace["build_model"], namespace["make_batch"], setup=search_setup,
                                               high=262144 if args.gpu else 16384, progress="lines", method=method,
                                               env=env)
         found[method] = (search, time.perf_counter() - started)
+        cpu[method] = _cpu_of_children() - before
         safe, failure = search.edge
         print(f"{method:<6} largest below every failure {safe:,}, smallest failure {failure:,}; "
-              f"{len(search.plans)} plans, {len(search.probes)} probes; {found[method][1]:.1f} s")
+              f"{len(search.plans)} plans, {len(search.probes)} probes; {found[method][1]:.1f} s; "
+              f"its processes' CPU {cpu[method]:.1f} s ({cpu[method] / found[method][1]:.1f} cores busy)")
         if search.plans:
             compiles = sum(p.trace_seconds + p.compile_seconds for p in search.plans)
             print(f"       the planning process {search.plan_seconds:.1f} s, its compiles {compiles:.1f} s, at "
@@ -184,7 +186,16 @@ def main() -> None:
                   + "".join(f"; {note}" for note in search.notes if "were probed while the plan" in note))
     ratio = found["plan"][1] / found["probe"][1]
     same = abs(found["plan"][0].edge[0] - found["probe"][0].edge[0]) <= max(1, found["probe"][0].edge[0] * 0.02)
-    print(f"plan / probe time: x{ratio:.2f}; the same edge within the 2% resolution: {same}")
+    print(f"plan / probe time: x{ratio:.2f}; CPU x{cpu['plan'] / cpu['probe']:.2f}; the same edge within the 2% "
+          f"resolution: {same}")
+
+
+def _cpu_of_children() -> float:
+    """The CPU seconds (user and system) of this process's children that have ended: a search's processes."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 if __name__ == "__main__":

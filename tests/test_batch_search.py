@@ -96,10 +96,15 @@ def test_the_probes_say_what_they_show():
     assert "recommended, its measured peaks leaving 10% of the limit free, 10% below every failure: 2,000" in text
     # One batch that trained in one fresh process and ran out of memory in another is not monotone either.
     search.probes[:] = [Probe(1, 30 * MiB, 1.0), Probe(2000, 70 * MiB, 1.0), Probe(2000, None, 2.0, "limit"),
-                        Probe(2040, None, 2.0, "limit")]
-    assert search.not_monotone == [(2000, 2000)] and search.edge == (1, 2000)
-    assert "warning: not monotone: 2,000 trained in one fresh process and ran out of memory in another" in repr(search)
-    search.probes[2:3] = []
+                        Probe(2040, None, 2.0, "limit"), Probe(2000, None, 2.0, "limit")]
+    assert search.not_monotone == [(2000, 2000)] and search.edge == (1, 2000)  # the batch once, for its two failures
+    text = repr(search)
+    assert text.count("warning: not monotone") == 1
+    assert "warning: not monotone: 2,000 trained in one fresh process and ran out of memory in another" in text
+    search.probes.append(Probe(2100, 80 * MiB, 1.0))  # a larger batch trained too: the pair names it
+    assert search.not_monotone == [(2000, 2100), (2040, 2100)]
+    assert "warning: not monotone: 2,100 trained although 2,000 ran out of memory" in repr(search)
+    search.probes[:] = [p for p in search.probes if p.batch != 2100 and (p.fits or p.batch != 2000)]
     assert search.monotone and "not monotone" not in repr(search)
 
 

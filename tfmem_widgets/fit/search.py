@@ -12,7 +12,8 @@ and at most 16 times the last), then halves the interval between the largest bat
 and the smallest that failed above it (near the limit the peaks flatten and the line misaims). It
 stops when the edge is within `resolution` (a fraction of the batch), then probes once past the
 edge: near it fitting need not be monotone (regions and chunk rounding); a batch that trains above
-a failure is reported, and the recommended batch stays below every failure.
+a failure, or one that trained in one process and failed in another, is reported, and the recommended
+batch stays below every failure.
 
 Each probe runs `model.fit` over `steps` copies of the batch, as the user trains: on an H200,
 `train_on_batch` at 125,321 examples peaked at 14.89 GiB under a 16000 MB limit while `fit` at
@@ -120,8 +121,8 @@ class BatchSearch(LinesText):
 
     @property
     def not_monotone(self) -> list[tuple[int, int]]:
-        """(failed batch, the largest batch at or above it that trained) pairs: equal where one batch
-        trained in one fresh process and ran out of memory in another (each failed batch once)."""
+        """(failed batch, the largest batch at or above it that trained) pairs, each failed batch once:
+        the two equal where that batch trained in another fresh process and no larger one trained."""
         fitted = [p.batch for p in self.fitted]
         failed = sorted({f.batch for f in self.failed})
         return [(f, max(b for b in fitted if b >= f)) for f in failed if any(b >= f for b in fitted)]

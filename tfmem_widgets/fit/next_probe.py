@@ -93,9 +93,9 @@ def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
     request or 128 MiB larger), so the peaks there count chunks (on an H200 under a 1000 MB limit, 51,628
     and 54,367 rows both peaked at 992.2 MiB, and the line through them put 95% of the limit at no batch
     at all). At most `high`; None without a margin, a limit, or a failure or a line."""
-    if not search.margin or search.limit_bytes is None:
+    budget = _margin_budget(search)
+    if budget is None:
         return None
-    budget = search.within_margin_bytes(search.limit_bytes)
     lowest = min(search._failures(), default=None)
     below = search.recommended
     aims = [] if lowest is None else [(lowest * (1 - search.margin), f"{search.margin:.0%} below the smallest failure")]
@@ -120,14 +120,21 @@ def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
 def chunk_bound_peaks(search) -> tuple[int, int, int] | None:
     """Two batches that trained with the same peak (within 0.01%) over the margin's part of the limit, and
     that peak: a step's buffer took a free chunk whole in both (the peak counts the chunk, not the step)."""
-    if not search.margin or search.limit_bytes is None:
+    budget = _margin_budget(search)
+    if budget is None:
         return None
-    budget = search.within_margin_bytes(search.limit_bytes)
     over = sorted((p.peak_bytes, p.batch) for p in search.fitted if p.peak_bytes > budget)
     for (peak_a, a), (peak_b, b) in zip(over, over[1:]):
         if a != b and peak_b - peak_a <= peak_b * 1e-4:
             return min(a, b), max(a, b), peak_b
     return None
+
+
+def _margin_budget(search) -> int | None:
+    """The bytes a peak may take under the search's margin (None: no margin or no limit)."""
+    if not search.margin or search.limit_bytes is None:
+        return None
+    return search.within_margin_bytes(search.limit_bytes)
 
 
 def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:

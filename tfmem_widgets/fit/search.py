@@ -475,9 +475,10 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         except KeyboardInterrupt:
             search.interrupted = True
             if settling:
-                search.notes.append("interrupted while probing for the margin, after the edge was known: the "
-                                    f"recommended batch was measured by {search.trained_at(search.recommended or 0)} "
-                                    "probe(s)")
+                rec = search.recommended
+                search.notes.append("interrupted while probing for the margin, after the edge was known: "
+                                    + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
+                                       if rec is not None else "no batch is recommended"))
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
             within = search.first_failure is not None and search.largest is not None and \
                 search.first_failure - search.largest <= max(1, math.ceil(search.largest * resolution))

@@ -70,7 +70,7 @@ def main() -> None:
     print(f"search: {time.perf_counter() - started:.0f} s")
     import cloudpickle
 
-    from tfmem_widgets.fit.fresh import run_fresh
+    from tfmem_widgets.fresh.run import run_fresh
 
     code = (EPOCH.replace("FUNCTIONS", repr(cloudpickle.dumps((build_model, make_batch)).hex()))
             .replace("BATCH", str(search.recommended)))

@@ -17,7 +17,7 @@ from _workloads import run_keras_rounds
 
 CODE = """
 import json, statistics, time
-from tfmem_widgets.fit.callback import MemoryCallback
+from tfmem_widgets.readings.callback import MemoryCallback
 model.fit(x, y, batch_size=128, epochs=1, verbose=0)   # warm-up: tracing, first allocations
 
 def timed(callbacks):

@@ -8,7 +8,7 @@
    peak over in-use before. Prints plan, measured and the error of each plan.
    The plan's own bytes are printed too: what stayed in the allocator and how far its peak rose.
    On a GPU, a CPU copy of the model is planned too (what a fit refused memory is told while it
-   waits, fit/need.py): its error against the GPU's measured step.
+   waits, plans/need.py): its error against the GPU's measured step.
 2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
    their ratio. TensorFlow is imported here first, as in the notebook where the model was written.
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tfmem_widgets  # noqa: E402
-from tfmem_widgets.fit.fresh import run_fresh  # noqa: E402
+from tfmem_widgets.fresh.run import run_fresh  # noqa: E402
 
 MODELS = '''
 import keras, numpy as np
@@ -61,7 +61,7 @@ STEPS = MODELS + '''
 import json, time
 import tensorflow as tf
 import tfmem_widgets
-from tfmem_widgets.fit.need import cpu_copy
+from tfmem_widgets.plans.need import cpu_copy
 device = {device!r}
 with tf.device(device):
     spare = tf.zeros([{spare_mb} << 18]); del spare     # a free chunk every step's request is split from

@@ -25,7 +25,7 @@ import numpy as np
 import tfmem_widgets
 tfmem_widgets.setup(**SETUP)
 import keras
-from tfmem_widgets.oom.layers import COMPILE_SCRATCH, UNATTRIBUTED, planned_program_sizes
+from tfmem_widgets.readings.layers import COMPILE_SCRATCH, UNATTRIBUTED, planned_program_sizes
 
 model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(2048, activation="relu", name="wide"),
                           keras.layers.Dense(4096, name="wider"), keras.layers.Dense(1, name="out")])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfmem_widgets.fit.fresh import run_fresh
+from tfmem_widgets.fresh.run import run_fresh
 
 RECORDED = Path(__file__).with_name("gpu_recorded.json")
 

@@ -35,7 +35,7 @@ KEEP_8_DROP_16 = "\\n".join(["import tensorflow as tf",
 def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a new Python process, as a reader's would start: without this
     process's setup variables. finish_fresh gives the JSON object it prints last."""
-    from tfmem_widgets.fit.fresh import child_environment
+    from tfmem_widgets.fresh.run import child_environment
 
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -75,8 +75,8 @@ def search_functions(width=1024, jit=False):
 # device holds besides the step's batch.
 PROBE_DATA_MODEL = """
 import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.plan_then_probe import data_on_device
-from tfmem_widgets.fit.probe import probe_dataset
+from tfmem_widgets.search.plan_first import data_on_device
+from tfmem_widgets.search.probe import probe_dataset
 def make_batch(n):
     return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
 model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),

@@ -12,7 +12,7 @@ import pytest
 import tfmem_widgets
 from conftest import search_functions
 from tfmem_widgets.errors import SetupError
-from tfmem_widgets.fit.search import BatchSearch, Probe
+from tfmem_widgets.search.batch_search import BatchSearch, Probe
 
 MiB = 1 << 20
 
@@ -22,7 +22,7 @@ def _children():
 
 
 def test_the_largest_batch_is_found_near_the_edge_in_few_probes(monkeypatch):
-    from tfmem_widgets.fit import warm
+    from tfmem_widgets.search import warm
 
     build_model, make_batch = search_functions()
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
@@ -111,8 +111,8 @@ def test_the_probes_say_what_they_show():
 def test_with_a_margin_a_probe_is_aimed_at_it_and_the_recommended_batch_is_probed_again():
     # The search's own rule on made-up probes (a fresh process each stands behind the real ones, as the
     # first test runs them): one probe's peak does not make a batch safe, a second process's must agree.
-    from tfmem_widgets.fit.next_probe import margin_aim, settle_recommended
-    from tfmem_widgets.fit.progress import LineProgress
+    from tfmem_widgets.search.next_probe import margin_aim, settle_recommended
+    from tfmem_widgets.search.progress import LineProgress
 
     def settled(measured, peaks, max_probes=16):
         search = BatchSearch([Probe(b, peak * MiB, 1.0) for b, peak in measured] + [Probe(3400, None, 2.0, "limit")],
@@ -193,7 +193,7 @@ def _made_up_search(monkeypatch, edge, peak, raise_at=None):
     raises that exception instead."""
     import contextlib
 
-    import tfmem_widgets.fit.search as search_module
+    import tfmem_widgets.search.batch_search as search_module
 
     @contextlib.contextmanager
     def probing(search, pairs=False):
@@ -241,7 +241,7 @@ def test_the_margins_probes_follow_the_edge_and_a_stop_there_keeps_the_edge(monk
 def test_an_xla_steps_probe_ends_at_the_allocators_first_refusal():
     # One XLA program: nothing else runs to free memory while TensorFlow retries for 10 s, so the probe's
     # process ends at the first refusal (a graph step's probes keep the retry: other ops free memory then).
-    from tfmem_widgets.fit.probe import REFUSED
+    from tfmem_widgets.search.probe import REFUSED
 
     build_model, make_batch = search_functions(jit=True)
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
@@ -424,7 +424,7 @@ def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_
 
 def test_two_probes_side_by_side_count_their_shared_seconds_once():
     # A pair's probes each count their own seconds from their common start; the search's time counts the
-    # seconds they shared once (fit/warm.probing adds the shorter one to overlap_seconds).
+    # seconds they shared once (search/warm.probing adds the shorter one to overlap_seconds).
     search = BatchSearch([Probe(100, 10 * MiB, 7.0), Probe(102, None, 7.4, "limit")], 1, 8192, 2, 0.0, 0.02,
                          where="GPU:0", overlap_seconds=7.0)
     assert search.seconds == pytest.approx(7.4)
@@ -437,10 +437,10 @@ def test_the_plans_answer_is_probed_once_where_the_batch_past_it_is_proven_not_t
     # limit) judges a plan by its bytes, and a step never takes less than its plan.
     from types import SimpleNamespace
 
-    import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_search import PlanSearch
-    from tfmem_widgets.fit.plan_then_probe import DONE, UP, plan_first
-    from tfmem_widgets.fit.progress import LineProgress
+    import tfmem_widgets.fresh.run as fresh
+    from tfmem_widgets.plans.largest import PlanSearch
+    from tfmem_widgets.search.plan_first import DONE, UP, plan_first
+    from tfmem_widgets.search.progress import LineProgress
 
     def searched(proven, margin=0.0):
         found = PlanSearch(117_000, 119_000, [], 30.0, True, 2000 * 1_000_000, "logical device limit",
@@ -496,10 +496,10 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
     # the answer (the probe past it is the check), and the outcome follows both probes.
     from types import SimpleNamespace
 
-    import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_search import PlanSearch
-    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, FROM_LOW, UP, plan_first
-    from tfmem_widgets.fit.progress import LineProgress
+    import tfmem_widgets.fresh.run as fresh
+    from tfmem_widgets.plans.largest import PlanSearch
+    from tfmem_widgets.search.plan_first import BETWEEN, DONE, FROM_LOW, UP, plan_first
+    from tfmem_widgets.search.progress import LineProgress
 
     def searched(edge, room=True, max_probes=16):
         found = PlanSearch(117_000, 160_000, [], 30.0, True, 2000 * 1_000_000, "logical device limit")
@@ -546,12 +546,12 @@ def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_i
     import time
     from types import SimpleNamespace
 
-    import tfmem_widgets.fit.fresh as fresh
+    import tfmem_widgets.fresh.run as fresh
     from tfmem_widgets.errors import FreshRunError
-    from tfmem_widgets.fit.plan_search import PlanSearch
-    from tfmem_widgets.fit.plan_then_probe import BETWEEN, DONE, FROM_LOW, UP, plan_first
-    from tfmem_widgets.fit.progress import LineProgress
-    from tfmem_widgets.fit.transport import tell_batch
+    from tfmem_widgets.fresh.transport import tell_batch
+    from tfmem_widgets.plans.largest import PlanSearch
+    from tfmem_widgets.search.plan_first import BETWEEN, DONE, FROM_LOW, UP, plan_first
+    from tfmem_widgets.search.progress import LineProgress
 
     def searched(edge, plans_answer=118_332, planning_fails=False, room_then=True, max_probes=16):
         events = []
@@ -634,9 +634,9 @@ def test_auto_plans_nothing_for_a_step_without_xla_and_the_search_says_what_the_
     import pickle
     from types import SimpleNamespace
 
-    import tfmem_widgets.fit.fresh as fresh
-    from tfmem_widgets.fit.plan_then_probe import FROM_LOW, plan_first, search_in_process
-    from tfmem_widgets.fit.progress import LineProgress
+    import tfmem_widgets.fresh.run as fresh
+    from tfmem_widgets.search.plan_first import FROM_LOW, plan_first, search_in_process
+    from tfmem_widgets.search.progress import LineProgress
 
     path = tmp_path / "functions.pickle"
     path.write_bytes(pickle.dumps((_model_without_xla, _no_batch_wanted)))

@@ -1,13 +1,13 @@
 """The allocator chunk by chunk (tf/allocator.BfcPool) and a fit's start replayed in it
-(fit/fit_start.FitStart): made-up pools whose every byte follows the BFC allocator's rules
+(search/fit_start.FitStart): made-up pools whose every byte follows the BFC allocator's rules
 (bfc_allocator.cc: best fit, the no-split rule, regions that double, neighbours merged when freed).
 tests/test_plan.py checks the real thing: a lab search whose plans carry the start its probes meet."""
 
 from dataclasses import replace
 
-from tfmem_widgets.fit.fit_start import FitStart
-from tfmem_widgets.fit.plan import StepPlan
-from tfmem_widgets.oom.layers import LayerAnatomy
+from tfmem_widgets.plans.plan import StepPlan
+from tfmem_widgets.readings.layers import LayerAnatomy
+from tfmem_widgets.search.fit_start import FitStart
 from tfmem_widgets.tf.allocator import BfcPool
 from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
 

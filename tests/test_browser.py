@@ -59,7 +59,8 @@ with tf.device("CPU:0"):
     ts = ts[1::2]                                       # free every other one
     too_big = tf.zeros((12 << 20,))                     # 48 MiB: no hole is that large""",
     # The panel reading a batch search (the search itself is tested in test_batch_search.py).
-    "from tfmem_widgets.fit.search import BatchSearch, Probe\nsearch = " + SEARCH_CODE + "\n%tfmem panel --search search",
+    "from tfmem_widgets.search.batch_search import BatchSearch, Probe\nsearch = " + SEARCH_CODE
+    + "\n%tfmem panel --search search",
 ]
 
 
@@ -221,7 +222,7 @@ def test_panels_in_each_frontend(jupyterlab, frontend):
 
             # The panel with a batch search: a batch typed in shows the limit it needs; "set this limit" moves
             # the lab slider there, and the batch that fits at the new limit follows.
-            from tfmem_widgets.fit.search import BatchSearch, Probe
+            from tfmem_widgets.search.batch_search import BatchSearch, Probe
 
             search = eval(SEARCH_CODE, {"BatchSearch": BatchSearch, "Probe": Probe})  # the notebook's search
             needed = -(-search.limit_needed_bytes(8000) // (1 << 20))

@@ -231,7 +231,7 @@ def test_a_missing_or_binary_trace_file_is_one_line(tmp_path):
 def test_an_oom_whose_allocator_made_no_other_move_in_the_block_still_shows_the_dump(real):
     # On a GPU a single too-large tensor leaves no event in the GPU's allocator (its shape lives on
     # the host), only TensorFlow's dump: seen on the H200.
-    from tfmem_widgets.oom.message import OomInfo
+    from tfmem_widgets.tf.messages import OomInfo
 
     dump = load_memory_dump(real["dump"])
     oom = OomInfo(dump.allocator, "OOM when allocating tensor with shape[629145600] and type float", 2516582400)

@@ -10,7 +10,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
-from tfmem_widgets.fit.fresh import FreshRunError, run_fresh, without_native_logs
+from tfmem_widgets.fresh.run import FreshRunError, run_fresh, without_native_logs
 from tfmem_widgets.readings.measure import Measurement
 from tfmem_widgets.tf.options import LAB_LIMIT_ENV
 from tfmem_widgets.tracing.result import Trace

@@ -15,7 +15,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from tfmem_widgets import SetupError
-from tfmem_widgets.fit.fresh import FreshRunError, run_fresh
+from tfmem_widgets.fresh.run import FreshRunError, run_fresh
 
 
 def alive(pid: int) -> bool:

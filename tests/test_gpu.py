@@ -484,7 +484,7 @@ def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_t
         """
         tfmem_widgets.setup(split=[1024, 1024])
         import keras, numpy as np, tensorflow as tf
-        from tfmem_widgets.fit.callback import MemoryCallback
+        from tfmem_widgets.readings.callback import MemoryCallback
         from tfmem_widgets.notebook.widgets import Gauge
 
         gauge = Gauge(interval=600)
@@ -527,7 +527,7 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     import math
 
     import tfmem_widgets
-    from tfmem_widgets.fit.warm import room_for_two
+    from tfmem_widgets.search.warm import room_for_two
 
     setup, env = {"limit_mb": 1000}, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
     assert room_for_two(setup, env) is not None, "a lent card holds two processes of 1000 MB and more"

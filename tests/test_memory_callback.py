@@ -10,7 +10,7 @@ import json, io, contextlib, glob, os
 import tfmem_widgets
 tfmem_widgets.setup(lab_mb=LAB)
 import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.callback import MemoryCallback
+from tfmem_widgets.readings.callback import MemoryCallback
 
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(1)])
@@ -94,7 +94,7 @@ def test_bytes_that_keep_rising_after_each_epoch_are_said_once(fits):
 
 
 def test_a_peak_within_5_percent_of_the_limit_is_said_once(lab_session, capsys):
-    from tfmem_widgets.fit.callback import MemoryCallback
+    from tfmem_widgets.readings.callback import MemoryCallback
 
     limit, source = MemoryCallback().limit()  # this process: lab mode, 256 MB
     assert (limit, source) == (256 << 20, "lab mode")
@@ -109,7 +109,7 @@ def test_a_peak_within_5_percent_of_the_limit_is_said_once(lab_session, capsys):
 
 def test_a_bad_device_fails_before_the_fit(lab_session):
     from tfmem_widgets.errors import SetupError
-    from tfmem_widgets.fit.callback import MemoryCallback
+    from tfmem_widgets.readings.callback import MemoryCallback
 
     with pytest.raises(SetupError) as caught:
         MemoryCallback(device="GPU:7")
@@ -121,7 +121,7 @@ import json
 import tfmem_widgets
 tfmem_widgets.setup(lab_mb=256, cpus=2)
 import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.callback import MemoryCallback
+from tfmem_widgets.readings.callback import MemoryCallback
 from tfmem_widgets.notebook.widgets import Gauge
 
 gauge = Gauge(interval=600)   # no background reading: the marks come from the callback
@@ -163,7 +163,7 @@ import contextlib, io, json, os
 import tfmem_widgets
 tfmem_widgets.setup(lab_mb=256)
 import keras, tensorflow as tf
-from tfmem_widgets.fit.callback import MemoryCallback
+from tfmem_widgets.readings.callback import MemoryCallback
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()   # two workers, from TF_CONFIG
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -250,7 +250,7 @@ def test_workers_figures_are_gathered_with_the_strategys_collective_and_imbalanc
 PLAIN_CPU = """
 import json, io, contextlib
 import keras, numpy as np
-from tfmem_widgets.fit.callback import MemoryCallback
+from tfmem_widgets.readings.callback import MemoryCallback
 model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(1)])
 model.compile("adam", "mse")
 x = np.ones((256, 32), "float32"); y = np.ones((256, 1), "float32")
@@ -276,7 +276,7 @@ import json
 import tfmem_widgets
 tfmem_widgets.setup(lab_mb=256, cpus=2)
 import keras, numpy as np, tensorflow as tf
-from tfmem_widgets.fit.callback import MemoryCallback, close_open_epochs
+from tfmem_widgets.readings.callback import MemoryCallback, close_open_epochs
 from tfmem_widgets.readings.measure import running_measurements
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(1)])
 model.compile("adam", "mse", jit_compile=False)

@@ -34,7 +34,7 @@ print(json.dumps({"asked": asked}))
 
 @pytest.fixture(scope="module")
 def two_oom_log(tmp_path_factory):
-    from tfmem_widgets.fit.fresh import child_environment
+    from tfmem_widgets.fresh.run import child_environment
 
     env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "0"})
     env.pop("TF_BFC_MEMORY_DUMP", None)

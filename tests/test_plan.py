@@ -54,7 +54,7 @@ model, sample, batches = {shape}()
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
 rows = []
 first = tfmem_widgets.plan(model, sample, 8)         # builds what fit builds first (the optimizer's slots)
-from tfmem_widgets.fit.plan_scaled import planned_by_shapes
+from tfmem_widgets.plans.scaled import planned_by_shapes
 shaped = tfmem_widgets.plan(model, sample, 509)     # the search's first plan, a prime: its axis told from the widths
 for batch in batches:
     gc.collect()
@@ -165,7 +165,7 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
                                           progress=False, method="plan")
     safe, failure = search.edge
     assert search.plans and len(search.probes) <= 6
-    # Each plan placed in the pool the probes' fits meet (fit/fit_start.py: the build's pool traced, the data's
+    # Each plan placed in the pool the probes' fits meet (search/fit_start.py: the build's pool traced, the data's
     # copy measured): the plans put the edge where the probes find it, so the answer trains and the batch past
     # it fails, two probes. (From the variables alone the plans said 4,095 rows fit; fresh fits failed from 3,972.)
     assert any(note.startswith("each plan placed in the pool a fresh fit meets") for note in search.notes)
@@ -265,8 +265,8 @@ BETWEEN = """
 import json, tfmem_widgets
 tfmem_widgets.setup(lab_mb=128)
 import keras, numpy as np
-from tfmem_widgets.fit.plan_scaled import planned_between
-from tfmem_widgets.fit.plan_search import largest_planned_batch
+from tfmem_widgets.plans.scaled import planned_between
+from tfmem_widgets.plans.largest import largest_planned_batch
 model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
                           keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
 model.compile("adam", "mse", jit_compile=True)
@@ -311,7 +311,7 @@ FIRST_STEP = """
 import json, tfmem_widgets
 tfmem_widgets.setup(lab_mb=1024)
 """ + PROBE_DATA_MODEL + """
-from tfmem_widgets.fit.plan import slots_shared_by_fit
+from tfmem_widgets.plans.plan import slots_shared_by_fit
 with tfmem_widgets.trace() as t:
     model.fit(probe_dataset(make_batch(1024), 2), epochs=1, verbose=0)  # fit builds the optimizer's slots itself
 events = t.events()

@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from tfmem_widgets.fit import plan_search
-from tfmem_widgets.fit.hlo import told_apart, widths_of
-from tfmem_widgets.fit.plan import StepPlan
-from tfmem_widgets.fit.plan_scaled import clear_of_widths, planned_by_shapes
-from tfmem_widgets.fit.plan_search import _aim_by_shapes, largest_below, largest_planned_batch
-from tfmem_widgets.oom.layers import LayerAnatomy
+from tfmem_widgets.plans import largest as plan_search
+from tfmem_widgets.plans.hlo import told_apart, widths_of
+from tfmem_widgets.plans.largest import _aim_by_shapes, largest_below, largest_planned_batch
+from tfmem_widgets.plans.plan import StepPlan
+from tfmem_widgets.plans.scaled import clear_of_widths, planned_by_shapes
+from tfmem_widgets.readings.layers import LayerAnatomy
 
 FIXED = 1024  # (bytes in the allocator's 256-byte steps: the made-up plans are what it hands out)
 SWITCH = 5000  # from here XLA lays the program out otherwise: 512 bytes a row where it was 256
@@ -71,7 +71,7 @@ def test_the_search_aims_by_the_shapes_then_by_the_failing_plans_own(monkeypatch
 
 def test_a_closing_plan_is_told_before_it_compiles_and_where_it_fits_the_search_ends_at_it(monkeypatch):
     # closing(batch): the plan about to compile lies within a step below a plan that failed, so if it fits
-    # it is the answer (a search's probes of it may begin while it compiles: fit/plan_then_probe.plan_first).
+    # it is the answer (a search's probes of it may begin while it compiles: search/plan_first.plan_first).
     # As on an H200: from 5,500 rows XLA lays the step out a little otherwise (260 bytes a row, not 256), so
     # 509's shapes aim at 6,000, which fails, and its own shapes put the edge 93 rows below it. An autotuner
     # chose the kernels (made up here), so the failure at 6,000 is not proven by its bytes: the batch past

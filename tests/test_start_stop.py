@@ -24,8 +24,8 @@ from tfmem_widgets.tf import dump_place
 # The modules (the package's names `trace` and `measure` are the classes).
 trace_module = importlib.import_module("tfmem_widgets.tracing.block")
 measure_module = importlib.import_module("tfmem_widgets.readings.measure")
-fresh = importlib.import_module("tfmem_widgets.fit.fresh")
-transport = importlib.import_module("tfmem_widgets.fit.transport")
+fresh = importlib.import_module("tfmem_widgets.fresh.run")
+transport = importlib.import_module("tfmem_widgets.fresh.transport")
 
 
 def open_fds() -> set[str]:

@@ -1,12 +1,13 @@
 """An OOM told in terms of its step: the report's figures and fixes from what the step needs
-(fit/need.py's plans, or an XLA program's one buffer), never a fix from one tensor's bytes.
+(plans/need.py's plans, or an XLA program's one buffer), never a fix from one tensor's bytes.
 The maps here are built by hand (a pool of three regions); the lab-mode fit that makes them for
 real, and the batch it names trained in a fresh process, are in tests/test_oom_explained.py."""
 
 from dataclasses import replace
 
-from tfmem_widgets.oom.layers import ACTIVATIONS, OPTIMIZER_STATE, OTHER, PARAMETERS, LayerAnatomy
-from tfmem_widgets.oom.report import FRAGMENTATION, LIMIT, OomReport, StepNeed
+from tfmem_widgets.oom.report import FRAGMENTATION, LIMIT, OomReport
+from tfmem_widgets.plans.need import StepNeed
+from tfmem_widgets.readings.layers import ACTIVATIONS, OPTIMIZER_STATE, OTHER, PARAMETERS, LayerAnatomy
 from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
 
 MiB = 1 << 20
@@ -141,7 +142,7 @@ def test_an_xla_programs_allocations_before_its_first_run_are_named_its_compiles
     # The H100's pattern (autotuner on): the program's compilation takes hundreds of chunks from the
     # allocator (256 MiB and 32 MiB here) under the program's own name before the first run allocates
     # the planned buffer of temporaries; the trace's peak fell among them.
-    from tfmem_widgets.oom import layers
+    from tfmem_widgets.readings import layers
 
     monkeypatch.setattr(layers, "_PROGRAMS", {})
     program, other = "(XLA program in multi_step_on_iterator)", "(XLA program in another_function)"
@@ -167,7 +168,7 @@ def test_an_xla_programs_allocations_before_its_first_run_are_named_its_compiles
 
 
 def test_a_chunk_of_a_past_moment_where_a_variable_lives_now_is_not_the_variable():
-    from tfmem_widgets.oom.layers import KnownVariable, OpReader, anatomy
+    from tfmem_widgets.readings.layers import KnownVariable, OpReader, anatomy
 
     slot = KnownVariable(0, 32 * MiB, "adam/wide_kernel_momentum", "sequential/wide", OPTIMIZER_STATE)
     scratch = "(XLA program in multi_step_on_iterator: scratch while compiling, before its first run)"
@@ -189,8 +190,8 @@ def test_a_gpu_models_step_is_planned_from_its_cpu_copy_never_on_the_refused_car
     import keras
     import numpy as np
 
-    from tfmem_widgets.fit import need
-    from tfmem_widgets.oom.fit_context import FitContext
+    from tfmem_widgets.plans import need
+    from tfmem_widgets.readings.fit_context import FitContext
 
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
     model.compile("adam", "mse", jit_compile=False)
@@ -210,7 +211,7 @@ H100_WEIGHTS = (512 * 1024 * 4, 1024 * 4, 1024 * 1024 * 4, 1024 * 4, 1024 * 4, 4
 
 
 def _h100_plan(growth=False):
-    from tfmem_widgets.fit.plan import StepPlan
+    from tfmem_widgets.plans.plan import StepPlan
     from tfmem_widgets.tf.allocator import rounded
 
     resident = H100_WEIGHTS + H100_WEIGHTS + H100_WEIGHTS + (8, 4)   # weights, Adam's two slots, its counters

@@ -72,8 +72,8 @@ out["a_largest_free"] = final.largest_free_bytes
 out["a_free"] = final.free_bytes
 out["a_ops_known"] = all(c.op for c in final.chunks if c.in_use and c.size > 256)
 out["a_log"] = a.log
-out["a_last_oom_is_the_traces"] = tfmem_widgets.last_oom() is a.oom_report() is not None
-out["a_verdict"] = a.oom_report().verdict
+out["a_last_oom_is_the_traces"] = tfmem_widgets.last_oom() is a.oom_report is not None
+out["a_verdict"] = a.oom_report.verdict
 out["a_text"] = repr(a)
 out["a_dump_chunks"] = chunks(dump)
 

@@ -1,4 +1,4 @@
-"""A batch search's probe processes, started before their batch is known (fit/warm.py).
+"""A batch search's probe processes, started before their batch is known (search/warm.py).
 
 Real processes in lab mode: a waiting process has TensorFlow imported and nothing of its runtime
 started (its lab setup still applies after the wait), a warm probe measures what a cold one does,
@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from tfmem_widgets.errors import SetupError
-from tfmem_widgets.fit.probe import probe_in_fresh_process
-from tfmem_widgets.fit.warm import WarmProbes
+from tfmem_widgets.search.probe import probe_in_fresh_process
+from tfmem_widgets.search.warm import WarmProbes
 
 SETUP = {"lab_mb": 64}
 
@@ -129,8 +129,8 @@ def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_pat
 def test_a_searchs_pair_starts_no_process_for_a_probe_after_it_and_joins_its_probes(monkeypatch):
     # Through the search's own probing(): the pair that confirms a plan search's answer is expected to be its
     # last, so once it has run no process waits (on a small machine one would import on the pair's cores).
-    from tfmem_widgets.fit import warm
-    from tfmem_widgets.fit.search import BatchSearch
+    from tfmem_widgets.search import warm
+    from tfmem_widgets.search.batch_search import BatchSearch
 
     monkeypatch.setattr(warm, "room_for_two", lambda setup, env, now=True: "here")
     search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
@@ -149,9 +149,9 @@ def test_a_searchs_pair_starts_no_process_for_a_probe_after_it_and_joins_its_pro
 
 def test_a_pair_begun_runs_while_the_search_does_something_else_and_is_read_after(monkeypatch, tmp_path):
     # begin_pair: a closing plan's two probes begin while the planning process compiles it
-    # (fit/plan_then_probe.plan_first); the search's thread is free meanwhile and reads them after.
-    from tfmem_widgets.fit import warm
-    from tfmem_widgets.fit.search import BatchSearch
+    # (search/plan_first.plan_first); the search's thread is free meanwhile and reads them after.
+    from tfmem_widgets.search import warm
+    from tfmem_widgets.search.batch_search import BatchSearch
 
     met, gate = tmp_path / "met", tmp_path / "gate"
     met.mkdir()
@@ -177,7 +177,7 @@ def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room
     # The driver's reading is the seam (no GPU here): read_gpus as NVML would answer on a 80 GiB card.
     import tfmem_widgets.tf.nvml as nvml
     from tfmem_widgets.errors import NvmlUnavailable
-    from tfmem_widgets.fit import warm
+    from tfmem_widgets.search import warm
     from tfmem_widgets.tf.nvml import GpuMemory
 
     GiB = 1 << 30
@@ -273,7 +273,7 @@ def test_a_waiting_process_ends_by_itself_when_the_process_that_started_it_is_go
     parent = textwrap.dedent(f"""
         import os, time
         from pathlib import Path
-        from tfmem_widgets.fit.warm import _Waiting
+        from tfmem_widgets.search.warm import _Waiting
         path = Path({str(tmp_path)!r}) / "functions.pickle"
         path.write_bytes(b"")
         waiting = _Waiting(path, 2, {SETUP!r}, {{}})

@@ -220,7 +220,7 @@ def test_the_map_viewers_allocator_is_a_trait(lab_session):
 def _search(lab: bool):
     """A search's probes as max_batch_size records them (the search itself: test_batch_search.py):
     peaks on a line of 10 MiB + 20 KiB per example, 4,096 trained, 4,608 ran out of memory under 96 MB."""
-    from tfmem_widgets.fit.search import BatchSearch, Probe
+    from tfmem_widgets.search.batch_search import BatchSearch, Probe
 
     probes = [Probe(b, 10 * MiB + b * 20 * 1024, 5.0) for b in (256, 1024, 4096)]
     probes.append(Probe(4608, None, 15.0, verdict="limit", request_bytes=8 * MiB))
@@ -265,7 +265,7 @@ def test_the_panel_reads_what_fits_at_the_chosen_limit_and_the_limit_a_batch_nee
 
 
 def test_a_search_whose_peaks_fall_is_told_so_not_called_fewer_than_two(lab_session):
-    from tfmem_widgets.fit.search import BatchSearch, Probe
+    from tfmem_widgets.search.batch_search import BatchSearch, Probe
 
     # small batches, measured in lab mode: the larger one peaked lower (the pool's regions)
     probes = [Probe(2, 6 * MiB, 4.0), Probe(32, 5 * MiB, 4.0), Probe(64, None, 14.0, verdict="limit")]

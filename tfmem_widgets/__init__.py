@@ -15,31 +15,23 @@ After %load_ext, an OOM in any cell is explained under its traceback (last_oom()
 """
 
 from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
-from .fit.fresh import FreshRun, run_fresh
-from .fit.need import early_need as _early_need
-from .fit.need import step_need as _step_need
-from .fit.plan import StepPlan, plan
-from .fit.search import BatchSearch, Probe, max_batch_size
-from .oom import explain as _explain_module
-from .oom import refusals as _refusals_module
+from .fresh.run import FreshRun, run_fresh
 from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
+from .oom.traced import trace
 from .oom.watch import unwatch_oom, watch_oom
+from .plans.plan import StepPlan, plan
 from .readings.measure import Measurement, measure
 from .readings.report import MemoryReport, report
+from .search.batch_search import BatchSearch, Probe, max_batch_size
 from .tf.device_setup import SetupResult, setup
 from .tf.runtime import watch_runtime_start
-from .tracing import result as _result_module
 from .tracing.allocator_map import AllocatorMap, Chunk, Region
-from .tracing.block import trace
 from .tracing.dumps import load_memory_dump, parse_bfc_dump
 from .tracing.recorder import Recorder, record
 from .tracing.result import Trace
 
 watch_runtime_start()  # remember what TensorFlow reads when its runtime starts (never starts it)
-_explain_module.planner = _step_need  # a fit's OOM is told in terms of its step, planned in fit/
-_refusals_module.early_planner = _early_need  # ... and an XLA step's need while its fit still waits
-_result_module.program_planner = plan  # a traced XLA fit's temporaries read by layer, from its plan
 
 __version__ = "0.1.0"
 __all__ = [

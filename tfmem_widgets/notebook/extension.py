@@ -32,7 +32,7 @@ def explain_cell_oom(result=None) -> None:
 
     error = getattr(result, "error_in_exec", None)
     if error is not None and "keras" in sys.modules:  # no fit ran where Keras was never imported
-        from ..fit.callback import close_open_epochs
+        from ..readings.callback import close_open_epochs
 
         close_open_epochs()  # a fit that raised calls no callback: its epoch's blocks end here
     report = cell_finished(error)
@@ -50,7 +50,7 @@ def explain_thread_oom(args) -> None:
     started is explained (its report said on stderr, where the thread's traceback goes, and kept
     as last_oom()); then the hook that was there runs (the traceback)."""
     from ..oom import explain
-    from ..oom.message import is_oom
+    from ..tf.messages import is_oom
 
     error = args.exc_value
     if isinstance(error, Exception) and is_oom(error) and not getattr(error, "_tfmem_explained", False):
@@ -72,16 +72,14 @@ def load(ipython) -> None:
     """Register %tfmem / %%tfmem, the OOM watcher (TensorFlow's dump at every OOM, into a folder of
     the extension's own) and the cell hooks; the shell's namespace is where Keras objects are
     looked for, and a batch search shows a bar in a notebook. Starts nothing."""
-    from ..fit import progress
-    from ..oom import layers
+    from ..frontend import Frontend, use_frontend
     from ..oom.watch import watch_oom
     from .magics import TfmemMagics
     from .progress import notebook_progress
 
     ipython.register_magics(TfmemMagics)
     watch_oom()
-    layers.namespace_provider = lambda: ipython.user_ns
-    progress.default_progress = notebook_progress
+    use_frontend(Frontend(namespace=lambda: ipython.user_ns, progress=notebook_progress))
     for event, hook in _HOOKS:
         if hook not in ipython.events.callbacks[event]:
             ipython.events.register(event, hook)
@@ -92,8 +90,7 @@ def load(ipython) -> None:
 
 def unload(ipython) -> None:
     """Remove what load added; gauges stop, and with them the sampler's thread."""
-    from ..fit import progress
-    from ..oom import layers
+    from ..frontend import use_frontend
     from ..oom.watch import unwatch_oom
     from ..readings.sampler import sampler
     from ..tracing.recorder import stop
@@ -108,8 +105,7 @@ def unload(ipython) -> None:
         threading.excepthook = _previous_thread_hook or threading.__excepthook__
     _previous_thread_hook = None
     unwatch_oom()
-    layers.namespace_provider = None
-    progress.default_progress = None
+    use_frontend(None)
     stop()
     run_unload_hooks()
     sampler.stop()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SetupError
-from ..fit.transport import CheckedPickler, encode, read_job, write_result
+from ..fresh.transport import CheckedPickler, encode, read_job, write_result
 
 
 def main(work: str) -> int:
@@ -38,11 +38,12 @@ def main(work: str) -> int:
     shell = InteractiveShell.instance(colors="nocolor")
     shell.displayhook.write_output_prompt = lambda: None  # values print bare, as in a notebook
     shell.run_line_magic("load_ext", "tfmem_widgets")
-    from ..oom import explain, refusals
-    from . import hazards
+    from dataclasses import replace
 
-    refusals.say_refusals = False  # this process's stderr reaches the user only at its end
-    hazards.in_fresh_process = True
+    from ..frontend import frontend, use_frontend
+    from ..oom import explain
+
+    use_frontend(replace(frontend(), fresh_child=True))  # its stderr reaches the user only when it ends
     outcome = shell.run_cell(job["code"], store_history=False)
     failure = outcome.error_before_exec or outcome.error_in_exec
     if failure is not None:
@@ -71,7 +72,7 @@ def main(work: str) -> int:
 
 
 def wait_warm(start: Path, setup: dict | None, poll: float = 0.01) -> bool:
-    """A process started ahead of its work (fit/warm.py): import TensorFlow, Keras and IPython now,
+    """A process started ahead of its work (search/warm.py): import TensorFlow, Keras and IPython now,
     start nothing of TensorFlow's runtime (no device is made, no memory taken, so a GPU's default
     limit is read when the work starts, not now), then wait until `start` exists. Lab mode's
     oneDNN switch is made first, as setup() makes it before TensorFlow's import. False: the process
@@ -86,8 +87,8 @@ def wait_warm(start: Path, setup: dict | None, poll: float = 0.01) -> bool:
     import keras  # noqa: F401  (TensorFlow with it)
     from IPython.core import interactiveshell  # noqa: F401
 
-    from ..fit import probe  # noqa: F401
     from ..oom import explain  # noqa: F401
+    from ..search import probe  # noqa: F401
 
     parent = os.getppid()
     while not start.exists():

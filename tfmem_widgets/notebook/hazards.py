@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import sys
 
+from ..frontend import frontend
 from ..tf.lab import lab_setting
 from ..tf.runtime import onednn_enabled, setup_env
 
@@ -22,7 +23,6 @@ _KERAS_WORK = re.compile(r"\.fit\s*\(|\.train_on_batch\s*\(|\.evaluate\s*\(|\.pr
                          r"@function\b|keras\.")
 _FRESH_CALL = re.compile(r"\brun_fresh\s*\(")
 _said: set[str] = set()
-in_fresh_process = False  # a %%tfmem fresh child: what kills it is explained by the kernel that started it
 
 XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory aborts the whole process "
               "(measured with TensorFlow 2.21: bfc_allocator.cc:711's check fails while freeing a buffer), so a "
@@ -42,9 +42,9 @@ def lab_mode_in_force() -> bool:
 
 def _xla_models() -> bool:
     """A Keras model in the user's namespace that compiles (or compiled) its step with XLA."""
-    from ..oom.layers import _keras_objects, user_namespace
+    from ..readings.layers import _keras_objects
 
-    models, _ = _keras_objects(user_namespace())
+    models, _ = _keras_objects(frontend().user_namespace())
     return any(getattr(m, "jit_compile", False) is True for m in models)
 
 
@@ -62,7 +62,7 @@ def hazards_for(cell: str) -> list[str]:
 
 def warn_before_cell(cell: str) -> None:
     """pre_run_cell: each hazard said once per session, before the first cell that meets it."""
-    if in_fresh_process or cell.lstrip().startswith("%%tfmem fresh") or _FRESH_CALL.search(cell):
+    if frontend().fresh_child or cell.lstrip().startswith("%%tfmem fresh") or _FRESH_CALL.search(cell):
         return  # that cell already runs its work in a process of its own
     for line in hazards_for(cell):
         if line in _said:

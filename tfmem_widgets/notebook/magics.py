@@ -11,11 +11,11 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.process import arg_split
 
 from ..errors import SetupError
+from ..oom.traced import trace
 from ..readings.measure import measure
 from ..readings.report import report
 from ..tf.device_setup import setup
 from ..tf.options import OPTION_NAMES, SETUP_OPTIONS
-from ..tracing.block import trace
 
 
 def _typed(parse):
@@ -64,7 +64,7 @@ def _window(text: str) -> float:
 
 def _fresh_timeout(text: str) -> float | None:
     """Seconds, or 'none' for no limit (a long training cell): run_fresh's rule (check_timeout)."""
-    from ..fit.fresh import check_timeout
+    from ..fresh.run import check_timeout
 
     if text.strip().lower() == "none":
         return None
@@ -72,14 +72,14 @@ def _fresh_timeout(text: str) -> float | None:
 
 
 def _search_count(name: str):
-    from ..fit.search import check_count
+    from ..search.batch_search import check_count
 
     return _core_check(lambda value: check_count(name, value, 1, who=""), read=int, what="a whole number")
 
 
 def _fraction(text: str) -> float:
     """The search's margin: its rule (check_fraction)."""
-    from ..fit.search import check_fraction
+    from ..search.batch_search import check_fraction
 
     return _core_check(lambda value: check_fraction("margin", value, 1, who=""), what="a fraction")(text)
 
@@ -285,7 +285,7 @@ class TfmemMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _plan(self, args):
-        from ..fit.plan import plan
+        from ..plans.plan import plan
 
         if args.variable is not None and not args.variable.isidentifier():
             raise SetupError(f"%tfmem plan: -v needs a Python name, got {args.variable!r}.")
@@ -376,7 +376,7 @@ class TfmemMagics(Magics):
         return result if args.output else None
 
     def _fresh(self, args, cell: str):
-        from ..fit.fresh import FreshRunError, run_fresh
+        from ..fresh.run import FreshRunError, run_fresh
 
         options = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name) is not None}
         returns = list(dict.fromkeys(name for names in args.returns for name in names))
@@ -397,7 +397,7 @@ class TfmemMagics(Magics):
 
 
     def _batch(self, args, cell: str):
-        from ..fit.search import max_batch_size
+        from ..search.batch_search import max_batch_size
 
         if args.variable is not None and not args.variable.isidentifier():
             raise UsageError(f"%%tfmem batch: -v needs a Python name, got {args.variable!r}.")

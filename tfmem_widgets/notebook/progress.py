@@ -3,9 +3,9 @@ search's counting sets, tqdm's split of counting and showing."""
 
 from __future__ import annotations
 
-from ..fit.probe import Probe
-from ..fit.progress import probe_line
-from ..fit.search import BatchSearch
+from ..search.batch_search import BatchSearch
+from ..search.probe import Probe
+from ..search.progress import probe_line
 
 
 class ProgressBar:

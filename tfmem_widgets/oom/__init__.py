@@ -1,4 +1,4 @@
 """An OOM explained.
 
-TensorFlow's message, the report and its verdict, explaining an error, a dump or a log, the refusals
-said while a cell waits, bytes by Keras layer."""
+The report and its verdict, explaining an error, a dump or a log, the OOM watcher, and the refusals
+said while a cell waits."""

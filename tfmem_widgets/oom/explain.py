@@ -13,14 +13,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SetupError, TraceDataError
+from ..plans.need import StepNeed
+from ..readings.fit_context import FitContext
+from ..readings.layers import OPTIMIZER_STATE, PARAMETERS
 from ..tf import dump_place
 from ..tf.allocator import has_text_dump, looks_like_oom_log
 from ..tf.limits import allocator_limit
+from ..tf.messages import failed_request, is_oom, step_of
 from ..tracing.allocator_map import AllocatorMap
-from .fit_context import FitContext
-from .layers import OPTIMIZER_STATE, PARAMETERS
-from .message import failed_request, is_oom, step_of
-from .report import OomReport, StepNeed
+from .report import OomReport
 
 _lock = threading.RLock()
 _last: OomReport | None = None
@@ -42,8 +43,8 @@ def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, x
         capacity, capacity_source = found.capacity_bytes, found.capacity_source
     anatomy = None
     if live and layers:
+        from ..readings.layers import anatomy as make_anatomy
         from ..tracing.recorder import name_chunks
-        from .layers import anatomy as make_anatomy
 
         dump, recorded = name_chunks(dump, dump_place.dump_time_ns(dump_path))
         if recorded:
@@ -61,6 +62,19 @@ def report_from_dump(dump: AllocatorMap, message: str, request: int | None, *, x
     step, node = step_of(text)
     return OomReport(dump.allocator, message, request, amap, limit, source, capacity, capacity_source,
                      dump_path, xla, anatomy, tuple(notes), step, node)
+
+
+def explain_trace(trace, live: bool = False) -> OomReport | None:
+    """The OOM a traced block ended in, from the trace's map at the failure (each chunk named by its op);
+    None without one. live: the block ran in this process, so its limits and Keras variables are read here."""
+    oom = trace.oom
+    if oom is None:
+        return None
+    if not trace.knows(oom.allocator):
+        return OomReport(oom.allocator, oom.message, oom.request_bytes, None,
+                         notes=("the trace holds neither events nor a dump of this allocator",))
+    return report_from_dump(trace.map(allocator=oom.allocator), oom.message, oom.request_bytes, live=live,
+                            text=trace.log)
 
 
 def explain_text(text: str, each: bool = False):
@@ -132,13 +146,6 @@ def _dump_of_bytes(data: bytes, path) -> AllocatorMap:
             raise TraceDataError(str(exc).replace(str(copy), os.fspath(path))) from None
 
 
-# Called with (prefix, dump path) when a report reads a dump: the OOM watcher keeps its folder to that one.
-on_report = None
-# Called with (FitContext, limit bytes) for a fit's OOM, returns its StepNeed: fit/need.py's step_need,
-# given by the package face (what fits is decided in fit/, which comes after this layer).
-planner = None
-
-
 def xla_request_need(fit: FitContext, report: OomReport) -> StepNeed | None:
     """An XLA program's OOM in a fit: its request is the program's one buffer of temporaries, so in
     use + the request is the least the step needs at the fit's batch; nothing is planned in this
@@ -161,9 +168,11 @@ def with_need(report: OomReport, fit: FitContext | None, early: StepNeed | None 
         report.need = early
     elif report.xla:
         report.need = xla_request_need(fit, report)
-    elif planner is not None:
+    else:
+        from ..plans.need import step_need
+
         try:
-            report.need = planner(fit, report.limit_bytes)
+            report.need = step_need(fit, report.limit_bytes)
         except Exception as exc:  # the user's model: never fail the report
             report.need = StepNeed(fit.batch_size, note=f"the step could not be planned ({type(exc).__name__})")
     return report
@@ -196,8 +205,7 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
     except TraceDataError as error:
         return OomReport(allocator or "unknown", line, request, None, xla=xla,
                          notes=(f"TensorFlow's dump could not be read: {error}", *notes), step=step, node=node)
-    if on_report is not None:
-        on_report(prefix, path)
+    dump_place.reported(prefix, path)
     return report_from_dump(dump, line, request, xla=xla, dump_path=path, live=True, namespace=namespace,
                             notes=notes, text=text, layers=layers)
 

@@ -7,7 +7,7 @@ each, for minutes, with nothing raised. A cell that is refused is told so as it 
 minutes later: a thread polls the dump place while the cell runs.
 
 At the first refusal of a fit whose step is an XLA program, the step is planned while the cell waits
-(``early_planner``: ``fit/need.early_need``, on a thread of its own) and the cell is told what the step
+(``plans/need.early_need``, on a thread of its own) and the cell is told what the step
 needs and the batch that fits, before the autotuner's minutes; the cell's report keeps that need. A fit
 that is never refused costs nothing: nothing is planned.
 """
@@ -17,11 +17,10 @@ from __future__ import annotations
 import os
 import threading
 
+from ..frontend import frontend
 from ..tf.dump_place import dump_files
 
 REFUSAL_POLL_S = 1.0
-say_refusals = True  # off in a fresh process: its stderr is shown only when it ends, so a live notice says nothing
-# (the watch runs there too: it reads the fit a refusal came from)
 HINT_AFTER_S = 30.0  # a plain OOM raises 10 s after its refusal; refused for longer is something else, said every 30 s
 AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' default on a GPU): its compiler's "
                  "GEMM autotuner is trying kernels whose scratch memory does not fit, 10 s a refusal, for minutes; "
@@ -29,7 +28,6 @@ AUTOTUNE_HINT = ("this Keras fit's step is an XLA program (jit_compile, Keras' d
                  "(measured on an H200: the same fit then trained), lower the batch, or compile with "
                  "jit_compile=False")
 _refusals = None
-early_planner = None  # fit -> StepNeed, set by the package's face (fit/need.early_need)
 
 
 class _RefusalWatch(threading.Thread):
@@ -45,8 +43,8 @@ class _RefusalWatch(threading.Thread):
         self.first: str | None = None  # the first refusal's figures
         self.said_first = False
         self.main_thread = threading.get_ident()  # the cell's thread
-        self.fit = None  # the Keras fit the cell was in at its first refusal (oom/fit_context.py)
-        self.need = None  # what its XLA step needs, planned while the cell waited (early_planner)
+        self.fit = None  # the Keras fit the cell was in at its first refusal (readings/fit_context.py)
+        self.need = None  # what its XLA step needs, planned while the cell waited (early_need)
         self.planning: threading.Thread | None = None
 
     def run(self) -> None:
@@ -70,13 +68,13 @@ class _RefusalWatch(threading.Thread):
         if self.first is None:
             self.first = _refusal_figures(new[-1])
         if self.fit is None and not final:  # read while TensorFlow waits: once raised, Keras cuts its frames
-            from .fit_context import fit_context_of_thread
+            from ..readings.fit_context import fit_context_of_thread
 
             self.fit = fit_context_of_thread(self.main_thread)
-            if self.fit is not None and getattr(self.fit.model, "jit_compile", None) is True and early_planner:
+            if self.fit is not None and getattr(self.fit.model, "jit_compile", None) is True:
                 self.planning = threading.Thread(target=self._plan_early, name="tfmem-early-plan", daemon=True)
                 self.planning.start()
-        if final or not say_refusals:
+        if final or frontend().fresh_child:  # a fresh child's stderr is shown only when it ends
             return  # a refusal the cell got over (or raised on) is the report's, or nothing to say
         if waited >= HINT_AFTER_S * (self.said_after + 1) and _xla_fit_running(self.main_thread):
             # A plain OOM raises 10 s after its refusal; an XLA fit's compiler is refused for minutes:
@@ -96,17 +94,18 @@ class _RefusalWatch(threading.Thread):
         import sys
         import time
 
+        from ..plans.need import early_need
         from ..units import format_bytes
 
         started = time.time()
         try:
-            need = early_planner(self.fit)
+            need = early_need(self.fit)
         except Exception as exc:  # the user's model: never fail the cell
-            from .report import StepNeed
+            from ..plans.need import StepNeed
 
             need = StepNeed(self.fit.batch_size, note=f"the step could not be planned ({type(exc).__name__})")
         self.need = need
-        if not say_refusals or self.stop_event.is_set() or need.peak_bytes is None:
+        if frontend().fresh_child or self.stop_event.is_set() or need.peak_bytes is None:
             return
         limit = format_bytes(need.limit_bytes) if need.limit_bytes else "device's"
         lines = [f"tfmem: this fit's XLA step was refused memory; planned in {time.time() - started:.0f} s while it "

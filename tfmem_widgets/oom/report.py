@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from html import escape
 
 from ..errors import TraceDataError
+from ..plans.need import StepNeed
 from ..text import LinesText
 from ..tf.dump_place import removed_with_its_call
 from ..tf.limits import CAPPED_SOURCES
@@ -33,60 +34,6 @@ CPU_STEP_NOTE = ("a compiled step on a CPU: the temporary buffers its kernels as
                  "runs depends on this processor) and "
                  "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "
                  "these differ between runs and CPUs; the request and the variables' bytes do not")
-
-
-@dataclass(frozen=True)
-class StepNeed:
-    """What the failing step needs and the batch that fits, in terms of the step (fit/need.py).
-
-    source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), 'cpu
-    plan' (the same, of a CPU copy of a GPU model, never planned on the refused card: an estimate), or
-    'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
-    the least the step needs; no plan is made in its process after it, and no batch is guessed: a
-    scaled one was far off in lab mode, where the fit's data, regions and the step's fixed bytes
-    weigh).
-    """
-
-    batch_size: int  # the fit's batch
-    peak_bytes: int | None = None  # the step's peak at that batch, from an empty device
-    resident_bytes: int | None = None  # the model's variables (weights, optimizer state)
-    limit_bytes: int | None = None
-    fits_batch: int | None = None  # the largest batch planned to fit at the limit in a fresh process
-    fails_batch: int | None = None  # the smallest planned not to, above it
-    plans: int = 0
-    seconds: float = 0.0
-    estimate: bool = False  # the fit runs a graph step: the plans are of the same step under XLA
-    source: str = "plan"
-    note: str = ""  # what stopped the plans early, or why there are none
-    least_limit_bytes: int | None = None  # the least limit the step fits at its batch, with the fit's data and
-    # its buffers placed as the allocator places them (StepPlan.least_limit_bytes); None: not planned
-
-    def lines(self, limit_text: str) -> list[str]:
-        out = []
-        if self.peak_bytes is not None:
-            how = ("XLA's CPU program of a copy of the model: an estimate of its GPU program"
-                   if self.source == "cpu plan" else
-                   "XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
-                   if self.estimate else "XLA's plan of this step" if self.source == "plan" else
-                   "in use + the XLA program's one buffer of temporaries")
-            parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
-            least = "at least " if self.source == "xla request" else ""
-            out.append(f"the step: at batch {self.batch_size:,} it needs {least}{format_bytes(self.peak_bytes)} at its "
-                       f"peak ({how}{parts}) against the {limit_text} limit")
-        if self.fits_batch is not None:
-            above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
-            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step, with the fit's data "
-                       f"and input pipeline, reaches the limit ({self.plans} plans in {self.seconds:.1f} s{above}); a fit "
-                       "can take more than its plan (its first step, where the pool's regions fall): a probe confirms "
-                       "it (%%tfmem batch --plan)")
-        elif self.source == "xla request":
-            out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
-                       "the batch): after an XLA program's OOM this one is not planned")
-        elif self.source in ("plan", "cpu plan") and self.peak_bytes is not None and self.fails_batch is not None:
-            out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
-        if self.note:
-            out.append(self.note)
-        return out
 
 
 def _of_map(name: str) -> property:
@@ -348,7 +295,7 @@ class OomReport(LinesText):
         """Bytes in use at the failure per Keras layer and phase (see anatomy.LayerAnatomy)."""
         if self.anatomy is not None:
             return self.anatomy
-        from .layers import anatomy
+        from ..readings.layers import anatomy
 
         if self.map is None:
             raise TraceDataError("this OOM has no allocator dump: there is nothing to break down.")

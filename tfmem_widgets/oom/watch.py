@@ -20,8 +20,8 @@ import threading
 
 from ..tf import dump_place
 from ..tf.dump_place import DUMP_ENV
+from ..tf.messages import is_oom
 from . import explain, refusals
-from .message import is_oom
 from .report import OomReport
 
 _OWNER = "the OOM watcher"
@@ -30,6 +30,7 @@ _folder: str | None = None  # the folder this package made (None: not watching, 
 _prefix: str | None = None  # the prefix this package set
 _cell_dumps: set[str] = set()  # the dump files that existed when the cell began
 _atexit_registered = False
+KEEP_REPORTED = 4  # the dumps of the last reports the package's folder keeps (an error explained again reads its own)
 
 
 def watch_oom() -> str:
@@ -42,12 +43,11 @@ def watch_oom() -> str:
         if _prefix is None:
             _folder = tempfile.mkdtemp(prefix="tfmem-oom-")
             _prefix = os.path.join(_folder, "dump")
-            dump_place.claim(_prefix, _OWNER)
+            dump_place.claim(_prefix, _OWNER, keep_reported=KEEP_REPORTED)
             if not _atexit_registered:
                 atexit.register(unwatch_oom)
                 _atexit_registered = True
         os.environ[DUMP_ENV] = _prefix
-        explain.on_report = _tidy_own_folder
         return _prefix
 
 
@@ -62,27 +62,6 @@ def unwatch_oom() -> None:
             shutil.rmtree(_folder, ignore_errors=True)
         dump_place.release(_prefix)
         _folder = _prefix = None
-        _reported.clear()
-
-
-KEEP_REPORTED = 4  # the dumps of the last reports the package's folder keeps (an error explained again reads its own)
-_reported: list[str] = []
-
-
-def _tidy_own_folder(prefix: str | None, keep: str | None) -> None:
-    """The package's folder keeps only the dumps the last KEEP_REPORTED reports point to."""
-    if _folder is None or prefix != _prefix:
-        return
-    if keep in _reported:
-        _reported.remove(keep)
-    _reported.append(keep)
-    del _reported[:-KEEP_REPORTED]
-    for path in dump_place.dump_files(_prefix):
-        if path not in _reported:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
 
 
 def cell_started() -> None:

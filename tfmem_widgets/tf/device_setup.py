@@ -212,7 +212,7 @@ ONEDNN_OFF_NOTE = ("oneDNN's kernels off (TF_ENABLE_ONEDNN_OPTS=0, set before Te
 
 def before_import(options: dict) -> None:
     """What setup(**options) does before TensorFlow's import, for a process that imports it before
-    its setup (a warm probe, fit/warm.py): lab mode's oneDNN switch."""
+    its setup (a warm probe, search/warm.py): lab mode's oneDNN switch."""
     _onednn_off_for_lab(SetupRequest(**options))
 
 

@@ -18,17 +18,42 @@ DUMP_ENV = "TF_BFC_MEMORY_DUMP"
 
 _lock = threading.Lock()
 _owners: dict[str, str] = {}  # prefix -> who set it ('the OOM watcher', 'a trace')
+_kept: dict[str, tuple[int, list[str]]] = {}  # prefix -> (how many reports' dumps it keeps, those dumps)
 
 
-def claim(prefix: str, owner: str) -> None:
-    """`owner` of this package points TF_BFC_MEMORY_DUMP at `prefix`."""
+def claim(prefix: str, owner: str, keep_reported: int | None = None) -> None:
+    """`owner` of this package points TF_BFC_MEMORY_DUMP at `prefix`. keep_reported: the place keeps only
+    the dumps the last that many reports read (``reported``), deleting the others."""
     with _lock:
         _owners[prefix] = owner
+        if keep_reported is not None:
+            _kept[prefix] = (keep_reported, [])
 
 
 def release(prefix: str | None) -> None:
     with _lock:
         _owners.pop(prefix, None)
+        _kept.pop(prefix, None)
+
+
+def reported(prefix: str | None, path: str) -> None:
+    """A report read the dump at `path`: a place claimed with keep_reported drops the dumps no recent
+    report read (an error explained again reads its own)."""
+    with _lock:
+        if prefix not in _kept:
+            return
+        most, recent = _kept[prefix]
+        if path in recent:
+            recent.remove(path)
+        recent.append(path)
+        del recent[:-most]
+        keep = set(recent)
+    for other in dump_files(prefix):
+        if other not in keep:
+            try:
+                os.remove(other)
+            except OSError:
+                pass
 
 
 def owned(prefix: str | None) -> bool:

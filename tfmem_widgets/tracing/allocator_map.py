@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..tf.allocator import fragmentation
 from ..units import format_bytes
-from ..views.pool import occupancy, op_label
+from ..views.pool import address_clusters, occupancy, op_label
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,6 @@ class Region:
 
 
 BEFORE_TRACE = "(before the trace)"
-
-
-_CLUSTER_GAP = 1 << 20
-
-
-def address_clusters(ranges) -> list[Region]:
-    """Where region bounds are unknown: the (address, size) ranges grouped into stretches,
-    a gap of more than 1 MiB starting a new one. Drawn as 'addresses seen', never as regions."""
-    clusters: list[list[int]] = []
-    for low, high in sorted((a, a + s) for a, s in ranges):
-        if clusters and low - clusters[-1][1] <= _CLUSTER_GAP:
-            clusters[-1][1] = max(clusters[-1][1], high)
-        else:
-            clusters.append([low, high])
-    return [Region(low, high - low) for low, high in clusters]
 
 
 @dataclass
@@ -112,11 +97,11 @@ class AllocatorMap:
     def by_layer(self, namespace: dict | None = None, live: bool = True):
         """In-use bytes per Keras layer and phase (anatomy.LayerAnatomy): chunks named by their
         op, and, for a map of this process (live), Keras variables found by their address."""
-        from ..oom.layers import anatomy
+        from ..readings.layers import anatomy
 
         return anatomy(self, namespace=namespace, live=live)
 
-    def bands(self) -> tuple[list[Region], bool]:
+    def bands(self) -> tuple[list, bool]:
         """(rows to draw, exact): the regions, or stretches of the chunks' addresses when the
         map does not know its regions (a trace that began after earlier work)."""
         if self.regions:

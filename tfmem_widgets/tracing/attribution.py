@@ -12,11 +12,11 @@ import re
 
 import numpy as np
 
+from ..tf.messages import FUNCTION
 from .lines import NOT_ACTIVITIES as NOT_ACTIVITIES  # the names of what is no activity, read here too
 
 # CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
 _XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
-FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function: __inference_<name>_<n>
 
 
 def context_label(enclosing: list[str], functions: list[str]) -> str:

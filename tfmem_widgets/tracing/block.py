@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SetupError, TraceDataError
-from ..oom.fit_context import FitSpotter
-from ..oom.message import oom_info
+from ..readings.fit_context import FitSpotter
 from ..tf import dump_place
 from ..tf.allocator import has_text_dump
 from ..tf.dump_place import DUMP_ENV
 from ..tf.lab import lab_limit_bytes
 from ..tf.limits import allocator_growth
+from ..tf.messages import oom_info
 from ..tf.options import GPU_ALLOCATOR_ENV
 from ..tf.runtime import runtime_started, setup_env
 from .allocator_map import AllocatorMap
@@ -214,12 +214,13 @@ class trace:
         self.result._fill(events, self._fresh, self._growth, oom, dumps, text_dump,
                           logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
         self.result.fits = self._stop_spotter()
-        if oom is not None:  # a trace's OOM is an OOM: explained, and the process's last_oom()
-            from ..oom.explain import explained
-
-            self.result.made_here = True
-            explained(exc, self.result.oom_report())  # the trace shows it: the cell's hook says it once
+        if oom is not None:
+            self.result.oom_report = self.explain(exc, self.result)
         return self.result
+
+    def explain(self, exc: BaseException, result: Trace):
+        """The report of the block's OOM, kept on the Trace (oom/traced.py explains it; here: None)."""
+        return None
 
     def _restore_env(self) -> None:
         if self._dump_env_set:

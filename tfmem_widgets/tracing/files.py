@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TraceDataError
-from ..oom.message import OomInfo
+from ..tf.messages import OomInfo
 from .allocator_map import AllocatorMap
 from .events import ALLOC, COLUMNS, FREE, NUMPY_TYPES, AllocatorEvents
 

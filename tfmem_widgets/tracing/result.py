@@ -12,15 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SetupError, TraceDataError
-from ..oom.message import OomInfo
+from ..tf.messages import OomInfo
 from ..units import format_bytes
 from .allocator_map import AllocatorMap, Chunk
 from .events import AllocatorEvents
 from .replay import Replay, fragmentation_series
 
-# Plans a fit's XLA program (model, specs, batch size), set by the package's face (fit/plan.py's plan):
+# Plans a fit's XLA program (model, specs, batch size), set by the package's face (plans/plan.py's plan):
 # a traced XLA fit's buffer of temporaries is then read by Keras layer and phase.
-program_planner = None
 
 
 class Trace:
@@ -44,7 +43,7 @@ class Trace:
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
         self.oom = oom
-        self._oom_report = None
+        self.oom_report = None  # the OOM explained (an OomReport), where the block's OOM was: oom/traced.py
         self.dumps = dumps or {}
         self.text_dump = text_dump
         self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
@@ -62,12 +61,14 @@ class Trace:
         return state
 
     def _plan_programs(self) -> None:
-        """Once: the XLA programs of the fits the block ran, planned (``program_planner``) so that
-        their buffers of temporaries are read by layer and phase (oom/layers.py). A plan compiles the
+        """Once: the XLA programs of the fits the block ran, planned (``plans/plan.py``) so that
+        their buffers of temporaries are read by layer and phase (readings/layers.py). A plan compiles the
         step again (about a second in lab mode, 5-35 s on an H100); a model gone, or one whose step
         runs as a graph, is not planned."""
-        if getattr(self, "_programs_planned", False) or program_planner is None:
+        if getattr(self, "_programs_planned", False):
             return
+        from ..plans.plan import plan
+
         self._programs_planned = True
         notes = []
         for model_ref, batch, sample in getattr(self, "fits", []):
@@ -75,12 +76,12 @@ class Trace:
             if model is None or getattr(model, "jit_compile", None) is not True:
                 continue
             try:
-                program_planner(model, sample, batch)
+                plan(model, sample, batch)
             except Exception as exc:  # the user's model: the buffer stays named by its program
                 notes.append(f"the fit's XLA program at batch {batch:,} could not be planned "
                              f"({type(exc).__name__}): its buffer is named by the program alone")
         self.notes = (*self.notes, *notes)
-        from ..oom.layers import name_compile_scratch
+        from ..readings.layers import name_compile_scratch
 
         if any([name_compile_scratch(events) for events in (self._events or {}).values()]):
             self._replays = {}  # the maps are rebuilt with the new names
@@ -126,6 +127,24 @@ class Trace:
         if not -len(events) <= index < len(events):
             raise SetupError(f"index={index} is outside this trace: {name} has events 0 to {len(events) - 1}.")
         return self._replay(name, index % len(events))
+
+    def pool_bytes_after_each_event(self, allocator: str | None = None) -> np.ndarray | None:
+        """The pool's size (its regions) after each event, rebuilt; None where the trace began after earlier
+        work (its regions are not known)."""
+        name = self._name(allocator)
+        if not self._is_fresh(name):
+            return None
+        events = self._events[name]
+        replay = Replay(events, fresh=True, growth=self._growth.get(name, True))
+        pool = np.empty(len(events))
+        for i in range(len(events)):
+            replay.step()
+            pool[i] = replay.pool_bytes
+        return pool
+
+    def knows(self, allocator: str) -> bool:
+        """Whether the trace holds events or a dump of this allocator (so a map of it)."""
+        return allocator in self._events or self._dump_of(allocator) is not None
 
     def _dump_of(self, name: str) -> AllocatorMap | None:
         if name in self.dumps:
@@ -316,9 +335,9 @@ class Trace:
                 lines.append(f"  traced after earlier work: {format_bytes(e.in_use_before())} from before the trace")
         if self.oom:
             lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
-            if self.oom.allocator in self._events or self._dump_of(self.oom.allocator) is not None:
+            if self.knows(self.oom.allocator):
                 lines.append(repr(self.map(allocator=self.oom.allocator)))
-            report = self.oom_report()
+            report = self.oom_report
             if report is not None and report.map is not None:
                 lines.append(f"  verdict: {report.verdict}")
                 lines += [f"    {r}" for r in report.reasons()]
@@ -331,26 +350,6 @@ class Trace:
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
-
-    def oom_report(self):
-        """The OOM of the traced block explained (an OomReport: verdict, fixes, layers), from the
-        trace's map at the failure, each chunk named by its op; None without an OOM. It is the
-        process's last_oom() too."""
-        if self.oom is None:
-            return None
-        if getattr(self, "_oom_report", None) is None:
-            from ..oom.explain import report_from_dump
-            from ..oom.report import OomReport
-
-            name = self.oom.allocator
-            if name in self._events or self._dump_of(name) is not None:
-                self._oom_report = report_from_dump(self.map(allocator=name), self.oom.message,
-                                                    self.oom.request_bytes, live=getattr(self, "made_here", False),
-                                                    text=self.log)
-            else:
-                self._oom_report = OomReport(name, self.oom.message, self.oom.request_bytes, None,
-                                             notes=("the trace holds neither events nor a dump of this allocator",))
-        return self._oom_report
 
     # -- export --------------------------------------------------------------------------
 

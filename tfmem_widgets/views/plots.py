@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tracing.allocator_map import AllocatorMap, address_clusters
-from ..tracing.replay import Replay
 from ..units import format_bytes
-from .pool import op_label, plot_pool
+from .pool import address_clusters, op_label, plot_pool
 
 _MAX_RECTANGLES = 4000
 _OTHER = "other ops"
@@ -161,12 +159,8 @@ def plot_timeline(trace, allocator: str | None = None, ax=None):
     ax.step(x, e.in_use / mib, where="post", label="in use", lw=1)
     peak = trace.peak_index(name)
     ax.plot([peak], [e.in_use[peak] / mib], "o", color="C3", label=f"peak {format_bytes(int(e.in_use[peak]))}")
-    if trace.is_fresh(name):
-        replay = Replay(e, fresh=True, growth=trace.growth.get(name, True))
-        pool = np.empty(len(e))
-        for i in range(len(e)):
-            replay.step()
-            pool[i] = replay.pool_bytes
+    pool = trace.pool_bytes_after_each_event(name)
+    if pool is not None:
         ax.step(x, pool / mib, where="post", label="pool (regions)", lw=1, color="C2")
     if e.limit_bytes:
         ax.axhline(e.limit_bytes / mib, color="gray", ls="--", lw=1, label=f"limit {format_bytes(e.limit_bytes)}")
@@ -182,5 +176,5 @@ def plot_timeline(trace, allocator: str | None = None, ax=None):
 def plot_snapshot(target, at=None, allocator: str | None = None, ax=None):
     """The pool at one moment, region by region; after an OOM, the failed request drawn
     next to the largest hole it did not fit in. `target` is a Trace or an AllocatorMap."""
-    snapshot: AllocatorMap = target if isinstance(target, AllocatorMap) else target.map(at, allocator)
+    snapshot = target.map(at, allocator) if callable(getattr(target, "map", None)) else target
     return plot_pool(snapshot, ax)

@@ -22,6 +22,28 @@ def op_label(op: str) -> str:
 
 
 @dataclass(frozen=True)
+class Stretch:
+    """Addresses seen together where a pool's region bounds are unknown (drawn as such, never as a region)."""
+
+    address: int
+    size: int
+
+
+_CLUSTER_GAP = 1 << 20
+
+
+def address_clusters(ranges) -> list[Stretch]:
+    """The (address, size) ranges grouped into stretches, a gap of more than 1 MiB starting a new one."""
+    clusters: list[list[int]] = []
+    for low, high in sorted((a, a + s) for a, s in ranges):
+        if clusters and low - clusters[-1][1] <= _CLUSTER_GAP:
+            clusters[-1][1] = max(clusters[-1][1], high)
+        else:
+            clusters.append([low, high])
+    return [Stretch(low, high - low) for low, high in clusters]
+
+
+@dataclass(frozen=True)
 class PoolRow:
     """One row of the picture: a region (or a stretch of the addresses seen) and its chunks."""
 

@@ -132,7 +132,7 @@ class SetupPanel(FullTextForm, w.VBox):
 
     @search.setter
     def search(self, search) -> None:
-        from ...fit.search import BatchSearch
+        from ...search.batch_search import BatchSearch
 
         if search is not None and not isinstance(search, BatchSearch):
             raise SetupError(f"search must be what max_batch_size returns (a BatchSearch), got "

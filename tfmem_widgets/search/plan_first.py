@@ -2,7 +2,7 @@
 
 ``max_batch_size(method="plan")`` runs ``plan_search.largest_planned_batch`` in one fresh process set
 up like the probes, then confirms the answer with a probe at it and one just past it
-(``fit/search.py``): side by side, each in a process of its own, where the machine has room for both
+(``search/batch_search.py``): side by side, each in a process of its own, where the machine has room for both
 (``warm.room_for_two``); the plans then stop without a plan just past the answer where its shapes (or
 the plans between) say it fails there, the probe past it being the check (one compile fewer). Where
 the plans close in from above (a plan failed, and the next lies within a step below it: if it fits,
@@ -18,9 +18,9 @@ import math
 import time
 from pathlib import Path
 
-from .plan import device_of
-from .plan_search import PlanSearch, largest_planned_batch
-from .transport import tell_batch
+from ..fresh.transport import tell_batch
+from ..plans.largest import PlanSearch, largest_planned_batch
+from ..plans.plan import device_of
 
 
 def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
@@ -88,7 +88,7 @@ def data_on_device(make_batch, model, rows: int = 256) -> float:
 
 
 PLAN_CODE = """
-from tfmem_widgets.fit.plan_then_probe import search_in_process
+from tfmem_widgets.search.plan_first import search_in_process
 found = search_in_process({path!r}, {low}, {high}, {resolution}, {max_plans}, xla_only={xla_only},
                           closing_plan={closing_plan}, closing_aim={closing_aim!r})
 """
@@ -111,8 +111,8 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
     probed next. The probes after the pair stop at max_probes (then FROM_LOW: the search says it stopped
     there). With a margin, a process waits after the last probe it expects: the margin's probes follow."""
     from ..errors import FreshRunError
+    from ..fresh.run import run_checked
     from ..units import format_bytes
-    from .fresh import run_checked
 
     _, setup, env, timeout = search._run
     started = time.perf_counter()
@@ -193,7 +193,7 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
             _show_probed(search, progress, both)
             return _after_pair(search, both, answer, step, probe, max_probes)
 
-    margin = bool(search.margin)  # its probes follow the edge (fit/next_probe.settle_recommended)
+    margin = bool(search.margin)  # its probes follow the edge (search/next_probe.settle_recommended)
     if probe(answer, ahead=not last or margin):
         if answer >= search.high:
             return DONE

@@ -203,7 +203,7 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
     remember_oom: an OOM the process met becomes this process's last_oom() (a batch search's probes
     leave it alone). start_when: a file; the child imports TensorFlow, Keras and IPython, starts
     nothing of TensorFlow's runtime, and waits until the file exists before its setup and code
-    (fit/warm.py). on_start(process): called once the child is started (who may kill its group).
+    (search/warm.py). on_start(process): called once the child is started (who may kill its group).
     each_tick(): called in this thread while the child runs, at least every 0.1 s (an error in it ends
     the child)."""
     from ..tf.dump_place import DUMP_ENV, dump_files
@@ -295,7 +295,7 @@ def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setu
     """The OOM a failed child met: the report its own shell made (with its limits and Keras
     layers), or, when it died before making one, TensorFlow's dump it left, read here."""
     from ..oom.explain import report_from_dump
-    from ..oom.message import failed_request
+    from ..tf.messages import failed_request
 
     made = work_dir / "oom.value"
     if made.exists():

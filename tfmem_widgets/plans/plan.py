@@ -2,7 +2,7 @@
 
 ``plan(model, sample, batch_size)`` traces the train step the way ``fit`` runs it (the model's own
 ``train_step``, its optimizer and loss) from ``tf.TensorSpec``s with `batch_size` rows, has XLA
-compile it, and reads the buffer assignment (``fit/hlo.py``): the step's bytes are XLA's temporary
+compile it, and reads the buffer assignment (``plans/hlo.py``): the step's bytes are XLA's temporary
 allocation and its outputs, each as the allocator rounds it. Nothing runs and no batch is made. What
 ``fit`` would build before its first step (the optimizer's slots, the weights of a model not built
 yet) is built the way ``fit`` builds it, and said.
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import SetupError
-from ..oom.layers import LayerAnatomy, remember_program
+from ..readings.layers import LayerAnatomy, remember_program
 from ..text import LinesText
 from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..tf.devices import xla_autotune_level
@@ -63,7 +63,7 @@ class StepPlan(LinesText):
     # each of step_allocations' hlo.batch_profile: how its bytes move with the batch (what aims a search's next plan)
     step_profiles: tuple[tuple[tuple[int, int], ...], ...] = ()
     built: tuple[str, ...] = ()  # what plan() built the way fit would have (the optimizer's slots...)
-    # the pool a fresh process's fit meets at its first step, where a search read it (fit/fit_start.py: lab mode)
+    # the pool a fresh process's fit meets at its first step, where a search read it (search/fit_start.py: lab mode)
     fit_start: object | None = None
     notes: tuple[str, ...] = field(default=())
     # Where a fit builds the optimizer's slots itself (a batch search's fresh process: slots_shared_by_fit),
@@ -73,7 +73,7 @@ class StepPlan(LinesText):
     # update a variable in place only when its buffer is its own, writes each its own buffer at the first
     # step, after the step's own allocations (traced in lab mode: a Dense step's 66 MiB, then 2, 2, 4 and
     # 4 MiB for the two kernels' momentums and velocities). On an H200 the same first step asked for its own
-    # allocations alone: a search sets these for plans on the CPU only (fit/plan_then_probe.py).
+    # allocations alone: a search sets these for plans on the CPU only (search/plan_first.py).
     shared_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -371,7 +371,7 @@ def _compile(model, specs, device: str):
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    from .plan_owners import ScopeRecorder
+    from .owners import ScopeRecorder
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):  # Keras' own step function, as TensorFlowTrainer makes it, compiled by XLA
@@ -416,7 +416,7 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     from ..tf.allocator import allocator_of_device
     from ..tf.devices import resolve_device
     from ..tf.limits import allocator_growth, limit_of
-    from .plan_owners import Owners, parameter_owners
+    from .owners import Owners, parameter_owners
 
     if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
         raise SetupError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"

@@ -1,10 +1,11 @@
 """A batch search's progress, counted here and shown by whoever asked: a line per probe (a terminal,
 a script), nothing, or an object of the caller's with probing(), probed() and done(); the notebook
-layer's bar is such an object, and the extension makes it the default in a notebook."""
+layer's bar is such an object, the default while the extension is loaded (its frontend's)."""
 
 from __future__ import annotations
 
 from ..errors import SetupError
+from ..frontend import frontend
 from ..units import format_bytes
 from .probe import Probe
 
@@ -32,11 +33,6 @@ def probe_line(count: int, probe: Probe) -> str:
     return f"probe {count}: batch {probe.batch:,} {what} ({probe.seconds:.1f} s)"
 
 
-# The progress of a search when none is asked for: a factory (the most probes -> a progress, or None
-# for lines); the extension sets one that shows a bar in a notebook.
-default_progress = None
-
-
 def progress_for(progress, most: int):
     """The progress object a search reports to, from its `progress` argument."""
     if progress is False:
@@ -44,7 +40,8 @@ def progress_for(progress, most: int):
     if progress == "lines":
         return LineProgress()
     if progress in (None, "bar"):
-        shown = default_progress(most, progress == "bar") if default_progress is not None else None
+        shown_by = frontend().progress  # a notebook's bar, while the extension is loaded
+        shown = shown_by(most, progress == "bar") if shown_by is not None else None
         if shown is None and progress == "bar":
             raise SetupError("max_batch_size: progress='bar' is a notebook widget: load the extension first "
                              "(%load_ext tfmem_widgets), or pass progress='lines'.")

@@ -4,7 +4,7 @@ process after the OOM. That batch is an upper bound: in lab mode a fit needed mo
 step near the edge (the pool's regions, the fit's own transients; a graph step runs other kernels
 than XLA's program of it), so the report says a probe confirms it.
 
-The fit is read from its frames while TensorFlow waits on the refused request (``oom/fit_context.py``).
+The fit is read from its frames while TensorFlow waits on the refused request (``readings/fit_context.py``).
 A plan compiles the step from specs and allocates nothing on the device; with XLA's GPU autotuner on,
 the compiler tries kernels on scratch buffers (the plan notes it). After an XLA program's own OOM
 nothing is planned here: the allocator is left inconsistent (``oom/report.py``), and the program's
@@ -29,11 +29,68 @@ full, and a plan there hung the report for minutes in the autotuner's refused re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ..errors import SetupError
-from ..oom.fit_context import FitContext
-from ..oom.report import StepNeed
+from ..readings.fit_context import FitContext
+from ..units import format_bytes
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
+
+
+@dataclass(frozen=True)
+class StepNeed:
+    """What the failing step needs and the batch that fits, in terms of the step (plans/need.py).
+
+    source: 'plan' (XLA's buffer assignment of the step, planned at the fit's batch and below), 'cpu
+    plan' (the same, of a CPU copy of a GPU model, never planned on the refused card: an estimate), or
+    'xla request' (an XLA program asks for its temporaries as one buffer: in use + that request is
+    the least the step needs; no plan is made in its process after it, and no batch is guessed: a
+    scaled one was far off in lab mode, where the fit's data, regions and the step's fixed bytes
+    weigh).
+    """
+
+    batch_size: int  # the fit's batch
+    peak_bytes: int | None = None  # the step's peak at that batch, from an empty device
+    resident_bytes: int | None = None  # the model's variables (weights, optimizer state)
+    limit_bytes: int | None = None
+    fits_batch: int | None = None  # the largest batch planned to fit at the limit in a fresh process
+    fails_batch: int | None = None  # the smallest planned not to, above it
+    plans: int = 0
+    seconds: float = 0.0
+    estimate: bool = False  # the fit runs a graph step: the plans are of the same step under XLA
+    source: str = "plan"
+    note: str = ""  # what stopped the plans early, or why there are none
+    least_limit_bytes: int | None = None  # the least limit the step fits at its batch, with the fit's data and
+    # its buffers placed as the allocator places them (StepPlan.least_limit_bytes); None: not planned
+
+    def lines(self, limit_text: str) -> list[str]:
+        out = []
+        if self.peak_bytes is not None:
+            how = ("XLA's CPU program of a copy of the model: an estimate of its GPU program"
+                   if self.source == "cpu plan" else
+                   "XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
+                   if self.estimate else "XLA's plan of this step" if self.source == "plan" else
+                   "in use + the XLA program's one buffer of temporaries")
+            parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
+            least = "at least " if self.source == "xla request" else ""
+            out.append(f"the step: at batch {self.batch_size:,} it needs {least}{format_bytes(self.peak_bytes)} at its "
+                       f"peak ({how}{parts}) against the {limit_text} limit")
+        if self.fits_batch is not None:
+            above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
+            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step, with the fit's data "
+                       f"and input pipeline, reaches the limit ({self.plans} plans in {self.seconds:.1f} s{above}); a fit "
+                       "can take more than its plan (its first step, where the pool's regions fall): a probe confirms "
+                       "it (%%tfmem batch --plan)")
+        elif self.source == "xla request":
+            out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
+                       "the batch): after an XLA program's OOM this one is not planned")
+        elif self.source in ("plan", "cpu plan") and self.peak_bytes is not None and self.fails_batch is not None:
+            out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
+        if self.note:
+            out.append(self.note)
+        return out
+
+
 
 NEED_SECONDS = 60.0  # plans after an OOM stop after this long, with what is known by then
 # Keras' input pipeline ends in prefetch(AUTOTUNE): in lab mode (2 cores) a fit held 4 batches ahead
@@ -110,8 +167,8 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     `limit_bytes` (the device's limit when None) in a fresh process. planner: plan (None; a model
     whose variables live on a GPU is planned from its CPU copy, ``from_cpu_copy``), or one that
     plans elsewhere."""
+    from .largest import largest_below
     from .plan import plan
-    from .plan_search import largest_below
 
     plan = planner or plan
 

@@ -66,7 +66,7 @@ class BatchSearch(LinesText):
     plan_answer: int | None = None  # the largest batch the plans fit (the plan search's answer, probed first)
     overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
     beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
-    margin_probes: int = 0  # of the probes, those a margin added after the edge was known (fit/next_probe.py)
+    margin_probes: int = 0  # of the probes, those a margin added after the edge was known (search/next_probe.py)
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -230,7 +230,7 @@ class BatchSearch(LinesText):
         failure (a fraction of the batch). Measured, not read off the line: near the edge a batch the line
         puts 10% under the limit ran out of memory in lab mode, and a batch that trained once failed in
         the next process. The search aims a probe at the margin and probes the batch it recommends twice
-        (fit/next_probe.settle_recommended)."""
+        (search/next_probe.settle_recommended)."""
         largest = self.edge[0]
         if largest is None or self.margin == 0:
             return largest
@@ -382,7 +382,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     while the one before it runs, except after the probes that confirm plans, expected to be the last
     where no margin's probes follow (after two side by side, none: a third would share their cores):
     its imports done ahead, its setup and TensorFlow's runtime begun only when its batch is known,
-    fit/warm.py).
+    search/warm.py).
 
     build_model: returns a compiled Keras model (XLA as you compile it).
     make_batch:  make_batch(n) returns one batch (x, y) of exactly n examples.
@@ -409,7 +409,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
-    from .fresh import check_request, check_timeout
+    from ..fresh.run import check_request, check_timeout
 
     if not callable(build_model) or not callable(make_batch):
         bad = "build_model" if not callable(build_model) else "make_batch"
@@ -452,7 +452,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         settling = False
         try:
             if method != "probe":
-                from .plan_then_probe import BETWEEN, DONE, UP, plan_first
+                from .plan_first import BETWEEN, DONE, UP, plan_first
 
                 then = plan_first(search, probe_one, bar, auto=method == "auto", max_probes=max_probes)
                 probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already

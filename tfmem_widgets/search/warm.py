@@ -6,7 +6,7 @@ ahead: it imports TensorFlow, Keras and IPython and waits, starting nothing of T
 runtime (no device made, no memory taken: a GPU's default limit is read when its probe begins, as
 in a cold probe, and a waiting process holds nothing on the card). When the batch is known the
 process goes on exactly as a cold probe does, from its setup on; meanwhile the next one starts.
-The search's plans (fit/plan_then_probe.py) run while the first one imports.
+The search's plans (search/plan_first.py) run while the first one imports.
 
 Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
 where the machine has room for both (``room_for_two``): a plan search's answer and the batch just
@@ -32,9 +32,9 @@ import time
 import uuid
 from pathlib import Path
 
+from ..fresh.transport import tell_batch
 from ..units import format_bytes
 from .probe import Probe, probe_outcome, ran_past
-from .transport import tell_batch
 
 # What a TensorFlow process takes beside its allocator's limit: on a GPU its CUDA context and cuBLAS'
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
@@ -48,7 +48,7 @@ MIN_CORES = 2
 
 WARM_CODE = """
 from pathlib import Path
-from tfmem_widgets.fit.probe import run_probe
+from tfmem_widgets.search.probe import run_probe
 probe = run_probe({path!r}, int(Path({start!r}).read_text()), {steps})
 """
 
@@ -57,7 +57,7 @@ class _Waiting:
     """One probe process, started and waiting for its batch in the file `start`."""
 
     def __init__(self, path: Path, steps: int, setup: dict | None, env: dict):
-        from .fresh import run_checked
+        from ..fresh.run import run_checked
 
         self.start = path.parent / f"start-{uuid.uuid4().hex}"  # the batch is written there when it is known
         self.process: subprocess.Popen | None = None
@@ -79,7 +79,7 @@ class _Waiting:
         self.thread.start()
 
     def _started(self, process: subprocess.Popen) -> None:
-        from .fresh import _kill_group
+        from ..fresh.run import _kill_group
 
         self.process = process
         if self.closed.is_set():  # closed before its process had started: it ends now
@@ -112,7 +112,7 @@ class _Waiting:
         return probe_outcome(batch, timeout, started, result, ended=self.ended)
 
     def kill(self) -> None:
-        from .fresh import _kill_group
+        from ..fresh.run import _kill_group
 
         self.closed.set()  # set before the process is read; _started reads them the other way round
         if self.process is not None:

@@ -11,7 +11,7 @@ update writes.
 
 from __future__ import annotations
 
-from ..oom.layers import BACKWARD, FORWARD, LOSS, OTHER, UNATTRIBUTED, UPDATE
+from ..readings.layers import BACKWARD, FORWARD, LOSS, OTHER, UNATTRIBUTED, UPDATE
 
 BATCH = "(batch)"
 

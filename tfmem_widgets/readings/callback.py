@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import keras
 
-from ..readings.allocator import read_allocator
-from ..readings.measure import _reset_peak, measure
 from ..text import LinesText
 from ..tf.allocator import allocator_of_device
 from ..units import MiB, format_bytes
+from .allocator import read_allocator
+from .measure import _reset_peak, measure
 
 PEAK_KEY, IN_USE_KEY = "tfmem_peak_bytes", "tfmem_in_use_bytes"
 RISES_TO_WARN = 3  # in-use figures rising this many times in a row,
@@ -245,7 +245,7 @@ class MemoryCallback(LinesText, keras.callbacks.Callback):
         self._rising([e[IN_USE_KEY] for e in self.epochs], "epoch")
         self._balance(rows)
         if self.chief:
-            from ..readings.sampler import sampler
+            from .sampler import sampler
 
             sampler.mark(f"epoch {int(epoch) + 1}")  # a running gauge draws it
 

@@ -3,7 +3,7 @@
 A step's buffers are near-linear in the batch while XLA lays the program out the same way, so a plan
 says what XLA would plan at another batch: ``planned_by_shapes`` scales each of its buffers that has
 an axis of the batch (hlo.batch_profile), ``planned_between`` draws each allocation on the line
-through two plans. Both are for aiming a search's next compile (fit/plan_search.py), never reported:
+through two plans. Both are for aiming a search's next compile (plans/largest.py), never reported:
 where the layout changes they miss (a Dense step on the CPU took 26% more from 4,000 to 4,100 rows).
 """
 

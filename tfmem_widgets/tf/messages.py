@@ -1,5 +1,5 @@
-"""A failed allocation, read from TensorFlow's words: its OOM line (or XLA's), the request as the BFC
-allocator rounds it (256-byte steps), and the compiled step and node an error names."""
+"""TensorFlow's words: a failed allocation's OOM line (or XLA's), the request as the BFC allocator
+rounds it (256-byte steps), the compiled step and node an error names, a tf.function's graph name."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tf.allocator import OOM_LINE, ROUNDED_REQUEST, UNIT_BYTES, XLA_OOM_LINE, rounded
+from .allocator import OOM_LINE, ROUNDED_REQUEST, UNIT_BYTES, XLA_OOM_LINE, rounded
 
+FUNCTION = re.compile(r"__inference_(.+?)_\d+$")  # a tf.function's graph: __inference_<name>_<n>
 _STEP = re.compile(r"\[Op:__inference_(\w+?)_\d+\]")
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
 _DTYPE_BYTES = {

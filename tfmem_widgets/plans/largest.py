@@ -13,7 +13,7 @@ it, and once two plans of the same layout bracket the edge, the plans between th
 (``planned_between``) say where it falls. A batch fits when its plan does (``StepPlan.fits``: the
 peak within the limit and, where the pool grows, each of the step's allocations finding room).
 
-A batch search runs this in a fresh process and confirms its answer by probes (fit/plan_then_probe.py).
+A batch search runs this in a fresh process and confirms its answer by probes (search/plan_first.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SetupError
 from .hlo import told_apart, widths_of
 from .plan import StepPlan, plan, slots_shared_by_fit
-from .plan_scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
+from .scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
 
 
 @dataclass
@@ -69,7 +69,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     says so. The answer is always a plan's: across brackets of up to twice the batch the plans between
     missed the real plans' edge by 1-10% in lab mode at limits of 96-256 MB, and a plan's shapes miss
     where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
-    process's fit meets at its first step (fit/fit_start.py), carried by each plan: fits() replays it.
+    process's fit meets at its first step (search/fit_start.py), carried by each plan: fits() replays it.
     closing(batch): called before the plan at `batch` compiles where, if it fits, the search ends at it (a
     plan above it failed within its step, not proven to fail by its bytes alone): a caller may begin that
     batch's probes, and the one past it, meanwhile.
@@ -230,7 +230,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
     model's resident bytes (at batch 0) and a failing plan's peak meets the limit. `seconds` bounds the search:
     what is known by then is returned (each plan is a compile: about a second in lab mode, 10-30 s
     on a GPU). held(plan): what the process holds besides the step at that plan's batch (a fit's data);
-    regions: as StepPlan.fits; planner: plan, or one that plans elsewhere (fit/need.py's CPU copy)."""
+    regions: as StepPlan.fits; planner: plan, or one that plans elsewhere (plans/need.py's CPU copy)."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {above.batch_size: above}
     notes: list[str] = []

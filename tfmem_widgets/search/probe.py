@@ -45,7 +45,7 @@ class ProbeRefused:
 
 
 PROBE_CODE = """
-from tfmem_widgets.fit.probe import run_probe
+from tfmem_widgets.search.probe import run_probe
 probe = run_probe({path!r}, {batch}, {steps})
 """
 
@@ -81,7 +81,7 @@ def _check_batch(data, batch: int) -> str | None:
 def probe_dataset(data, steps: int):
     """The data a probe fits on: make_batch's arrays as one element, repeated for each step (Keras'
     array adapter makes its dataset with from_tensors too). On a GPU the arrays become a constant on
-    the device, held through the fit besides the step's own copy of the batch (fit/plan_then_probe.py)."""
+    the device, held through the fit besides the step's own copy of the batch (search/plan_first.py)."""
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensors(tuple(data)).repeat(steps)
@@ -92,10 +92,10 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
 
     from ..oom.explain import explain_exception
-    from ..oom.message import is_oom
     from ..readings.measure import measure
     from ..tf.allocator import allocator_of_device
     from ..tf.limits import allocator_limit
+    from ..tf.messages import is_oom
 
     try:
         model = build_model()
@@ -209,7 +209,7 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
                             timeout: float | None) -> Probe:
     """One probe in a fresh process set up with the (checked) `setup`; the kernel's last_oom() is left
     alone. Raises SetupError when the user's functions cannot be probed or the probe ran too long."""
-    from .fresh import run_checked
+    from ..fresh.run import run_checked
 
     started = time.perf_counter()
     code = PROBE_CODE.format(path=str(path), batch=batch, steps=steps)

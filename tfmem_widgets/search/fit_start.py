@@ -18,7 +18,7 @@ as its batch), its iterator's copy given back, the optimizer's slots, then the s
 The slots as fit builds them: those of one shape and dtype share one buffer until the first step, which
 writes each its own after the step's allocations (``StepPlan.shared_slots``; a convolution model under a
 256 MB lab limit failed there, on a 2.25 MiB slot after its step had taken a free chunk whole).
-On a GPU the data path differs (fit/plan_then_probe.data_on_device) and the variables' model stands.
+On a GPU the data path differs (search/plan_first.data_on_device) and the variables' model stands.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _passing_share(make_batch, model, rows: int) -> float | None:
     import numpy as np
     import tensorflow as tf
 
-    from .plan import device_of
+    from ..plans.plan import device_of
     from .probe import probe_dataset
 
     device = device_of(model)

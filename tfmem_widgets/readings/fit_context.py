@@ -1,5 +1,5 @@
 """The Keras fit a thread is inside, read from its Python frames: the model, the batch size and the
-specs of one batch, so that an OOM in the fit can be told in terms of its step (``fit/need.py``).
+specs of one batch, so that an OOM in the fit can be told in terms of its step (``plans/need.py``).
 
 Read while the fit waits on a refused request (TensorFlow's allocator retries for 10 s before it
 raises): once raised, Keras has cut its own frames from the traceback. Nothing is allocated: the

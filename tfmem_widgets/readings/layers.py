@@ -11,7 +11,7 @@ What neither names is said plainly: ``(activations and temporaries)`` where no o
 ``(unattributed)`` for chunks with an op that names nothing a user wrote.
 
 An XLA program asks for all its temporaries as one buffer, with no op: a plan of the same program
-(``plan()``, fit/plan.py) knows that buffer's size to the byte and which Keras layer and phase each
+(``plan()``, plans/plan.py) knows that buffer's size to the byte and which Keras layer and phase each
 of its pieces serves at the program's peak. A chunk an XLA program asked for with exactly that size
 is split the same way (``remember_program``): its live pieces by layer and phase, the rest of its
 request not live at that peak, and the chunk's bytes beyond the request (the allocator's no-split rule
@@ -26,7 +26,8 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..tracing.attribution import FUNCTION
+from ..frontend import frontend
+from ..tf.messages import FUNCTION
 from ..units import format_bytes
 
 PARAMETERS = "parameters"
@@ -57,18 +58,6 @@ class KnownVariable:
 
 
 # -- the user's Keras objects ----------------------------------------------------------------
-
-# Where the user's objects live: the shell's namespace, set by the extension when it loads.
-namespace_provider = None
-
-
-def user_namespace() -> dict:
-    """The namespace a user's objects live in: the shell's (the extension's provider), else __main__'s."""
-    if namespace_provider is not None:
-        return namespace_provider()
-    main = sys.modules.get("__main__")
-    return dict(vars(main)) if main is not None else {}
-
 
 def _keras_objects(namespace: dict):
     """Keras models and optimizers among the namespace's values (one level into lists,
@@ -144,7 +133,7 @@ def keras_variables(namespace: dict | None = None) -> list[KnownVariable]:
     address (one per buffer)."""
     if "tensorflow" not in sys.modules:
         return []
-    models, optimizers = _keras_objects(user_namespace() if namespace is None else namespace)
+    models, optimizers = _keras_objects(frontend().user_namespace() if namespace is None else namespace)
     found: list[KnownVariable] = []
     model_paths: dict[str, str] = {}  # 'sequential_wide_kernel' -> 'sequential/wide'
     seen: set[int] = set()
@@ -186,7 +175,7 @@ def keras_layers(namespace: dict | None = None) -> list[str]:
     """The layer paths of the Keras models in the namespace ('sequential/wide', ...)."""
     if "keras" not in sys.modules:
         return []
-    models, _ = _keras_objects(user_namespace() if namespace is None else namespace)
+    models, _ = _keras_objects(frontend().user_namespace() if namespace is None else namespace)
     paths = []
     for model in models:
         try:
@@ -202,7 +191,7 @@ def keras_layers(namespace: dict | None = None) -> list[str]:
 def optimizer_names(namespace: dict | None = None) -> list[str]:
     if "keras" not in sys.modules:
         return []
-    _, optimizers = _keras_objects(user_namespace() if namespace is None else namespace)
+    _, optimizers = _keras_objects(frontend().user_namespace() if namespace is None else namespace)
     return [str(getattr(o, "name", "")) for o in optimizers if getattr(o, "name", "")]
 
 

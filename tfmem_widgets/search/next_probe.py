@@ -2,7 +2,7 @@
 settle the batch it recommends.
 
 Before a failure the search grows the batch toward the edge the line through the peaks predicts; after
-one it halves the interval, then probes once past the edge (fit/search.py says why). With a margin, a
+one it halves the interval, then probes once past the edge (search/batch_search.py says why). With a margin, a
 probe is aimed at the margin's batch where none was measured near it, and the batch recommended is
 probed a second time in another process.
 """

@@ -1,25 +1,21 @@
 """What fits, from plans: the largest batch whose planned step fits the limit, in a few compiles.
 
-A step's bytes are close to linear in the batch, but not quite (the largest moment's live set
-changes: a Dense model's step grows 6.3 KB a row at 64-256 rows and 12.4 KB at 4,096), so a line
-through small batches misaims. One plan says more than its bytes: its buffers' shapes say which grow
-with the batch (``planned_by_shapes``: each buffer with an axis of the batch scaled, the heap
-simulator's trace replayed), and that is XLA's plan at another batch while the program keeps its
-layout. So the first plan, at a prime number of rows (its batch axis told from a layer's width),
-aims the second at the edge, and the answer's own shapes say whether a step past it fits: in lab
-mode 2-3 compiles where lines through plans took 10. Where XLA lays a larger program out otherwise (a
-Dense step on the CPU took 26% more from 4,000 to 4,100 rows), the failing plan's shapes aim below
-it, and once two plans of the same layout bracket the edge, the plans between them
-(``planned_between``) say where it falls. A batch fits when its plan does (``StepPlan.fits``: the
-peak within the limit and, where the pool grows, each of the step's allocations finding room).
-
-A batch search runs this in a fresh process and confirms its answer by probes (search/plan_first.py).
+A step's bytes are close to linear in the batch but not quite (the largest moment's live set changes),
+so a line through small batches misaims. One plan's buffer shapes say which grow with the batch
+(``planned_by_shapes``): that is XLA's plan at another batch while the program keeps its layout. So
+the first plan, at a prime number of rows (its batch axis told from a layer's width), aims the second
+at the edge, and the answer's own shapes say whether a step past it fits. Where XLA lays a larger
+program out otherwise, the failing plan's shapes aim below it, and once two plans of one layout
+bracket the edge, the plans between them (``planned_between``) say where it falls. A batch fits when
+its plan does (``StepPlan.fits``). A batch search runs this in a fresh process and confirms its
+answer by probes (search/plan_first.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import SetupError
@@ -52,124 +48,138 @@ class PlanSearch:
 FIRST_PLAN = 509
 
 
-def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
-                          resolution: float = 0.02, max_plans: int = 14, held=lambda plan: (),
-                          closing_plan: bool = True, fit_start=None, closing=None,
-                          fit_builds_slots: bool = False) -> PlanSearch:
-    """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the
-    device's limit), to within `resolution` (a fraction of the batch). held(plan): what the process
-    holds besides the step at that plan's batch (the fit's data where it sits on the device).
-    The first plan is at FIRST_PLAN rows (`low` where more, or where that one does not fit); a batch
-    below a plan that fits is taken to fit (a step's bytes grow with the batch).
-    Each plan is aimed by the shapes of the largest that fits (``_aim_by_shapes``), else by the
-    plans between the two that bracket the edge, else by lines through plans.
-    closing_plan=False: no plan past the answer where its own shapes, or the plans between the two that
-    bracket the edge, say it fails there (a probe past the answer, run beside the answer's, is the
-    check): `failure` is then the bracket's upper plan (None where none was planned above), and a note
-    says so. The answer is always a plan's: across brackets of up to twice the batch the plans between
-    missed the real plans' edge by 1-10% in lab mode at limits of 96-256 MB, and a plan's shapes miss
-    where the layout changes, so they aim the next plan, never answer. fit_start: the pool a fresh
-    process's fit meets at its first step (search/fit_start.py), carried by each plan: fits() replays it.
-    closing(batch): called before the plan at `batch` compiles where, if it fits, the search ends at it (a
-    plan above it failed within its step, not proven to fail by its bytes alone): a caller may begin that
-    batch's probes, and the one past it, meanwhile.
-    fit_builds_slots: the fit each plan stands for builds the optimizer's slots itself (a fresh process's,
-    where build_model() left them unbuilt): its first step as plan.slots_shared_by_fit says."""
-    started = time.perf_counter()
-    plans: dict[int, StepPlan] = {}
-    notes: list[str] = []
+@dataclass(frozen=True)
+class FreshFit:
+    """The fit each plan of a search stands for, besides its step: held(plan), the bytes the process holds
+    at that plan's batch (the fit's data where it sits on the device); start, the pool it meets at its first
+    step (search/fit_start.py; None: an empty one); builds_slots, it builds the optimizer's slots itself
+    (a fresh process's, where build_model() left them unbuilt: plan.slots_shared_by_fit)."""
 
-    def at(batch: int) -> StepPlan | None:
-        if batch not in plans:
+    held: Callable = lambda planned: ()
+    start: object = None
+    builds_slots: bool = False
+
+
+class _Plans:
+    """A search's plans by batch, each judged against the limit as the fit it stands for."""
+
+    def __init__(self, model, sample, fit: FreshFit, resolution: float, high: int):
+        self.model, self.sample, self.fit, self.resolution, self.high = model, sample, fit, resolution, high
+        self.by_batch: dict[int, StepPlan] = {}
+        self.notes: list[str] = []
+        self.limit: int | None = None
+        self.widths = widths_of(model)  # the weights' (an optimizer's slots, built by the first plan, are shaped so)
+        self.needs = _least_limits(fit.held)
+
+    def at(self, batch: int) -> StepPlan | None:
+        """The plan at `batch` (made once); None where XLA could not compile it (not fitting)."""
+        if batch not in self.by_batch:
             try:
-                planned = plan(model, sample, batch)
-                shared = slots_shared_by_fit(model, planned) if fit_builds_slots else ()
-                plans[batch] = replace(planned, fit_start=fit_start, shared_slots=shared)
-            except SetupError as exc:  # XLA could not compile it (an autotuner without room): not fitting
-                notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
+                planned = plan(self.model, self.sample, batch)
+                shared = slots_shared_by_fit(self.model, planned) if self.fit.builds_slots else ()
+            except SetupError as exc:  # (an autotuner without room)
+                self.notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return None
-        return plans[batch]
+            self.by_batch[batch] = replace(planned, fit_start=self.fit.start, shared_slots=shared)
+        return self.by_batch[batch]
 
-    start = min(high, max(low, FIRST_PLAN))
-    widths = widths_of(model)  # the weights' (an optimizer's slots, built by the first plan, are shaped as they are)
-    start = next((b for b in range(start, min(high, start + 64) + 1) if told_apart(b, widths)), start)
-    first = at(start)
-    refused = None  # the first plan's batch where XLA could not compile it: not fitting, an upper bound
-    if first is None and start > low:
-        refused, start, first = start, low, at(low)
-    if first is None:
-        raise SetupError(notes[-1] if notes else "plan: the step could not be planned.")
-    limit = first.limit_bytes if limit_bytes is None else limit_bytes
-    if limit is None:
-        raise SetupError("the device's limit is not known: pass limit_bytes.")
+    def judge(self, planned: StepPlan) -> bool:
+        return planned.fits(self.limit, self.fit.held(planned))
 
-    def fits(batch: int) -> bool:
-        planned = at(batch)
-        return planned is not None and planned.fits(limit, held(planned))
+    def fits(self, batch: int) -> bool:
+        planned = self.at(batch)
+        return planned is not None and self.judge(planned)
 
-    def step(batch: int) -> int:
-        return max(1, math.ceil(batch * resolution))
+    def step(self, batch: int) -> int:
+        return max(1, math.ceil(batch * self.resolution))
 
-    needs = _least_limits(held)
-    lo, hi = (start, refused) if fits(start) else (None, start)
-    if lo is None and start > low:
-        lo, hi = (low, start) if fits(low) else (None, low)
+    def proven(self, planned: StepPlan | None) -> int | None:
+        """A failing plan's bytes alone (its peak and what the process holds besides), where they exceed the
+        limit and the program compiles the same in any process (no autotuner): a step never takes less than
+        its plan, so that batch cannot train. None where the pool's regions or an autotuner decide."""
+        if planned is None or not planned.same_program_anywhere or planned.estimate:
+            return None
+        need = planned.peak_bytes + sum(self.fit.held(planned))
+        return need if need > self.limit else None
 
-    def judge(planned: StepPlan) -> bool:
-        return planned.fits(limit, held(planned))
-
-    def cleared(aim: int | None) -> int | None:
-        """The aim, or just below it where its plan could not tell its batch axis (its shapes would aim
-        nothing)."""
-        if aim is None or aim >= high:
+    def cleared(self, aim: int | None, lo: int) -> int | None:
+        """The aim, or just below it where its plan could not tell its batch axis (its shapes would aim nothing)."""
+        if aim is None or aim >= self.high:
             return aim
-        better = clear_of_widths(aim, widths, lo + 1)
-        return better if better not in plans else aim
+        better = clear_of_widths(aim, self.widths, lo + 1)
+        return better if better not in self.by_batch else aim
 
-    def next_aim() -> int | None:
+    def next_aim(self, lo: int, hi: int | None, closing_plan: bool) -> int | None:
         """The next batch to plan; None where the search stops (a note says why, where it is not the end)."""
-        shaped = _aim_by_shapes(plans, lo, hi, high, step(lo), judge)
-        past = min(high, lo + step(lo))
+        plans, high = self.by_batch, self.high
+        shaped = _aim_by_shapes(plans, lo, hi, high, self.step(lo), self.judge)
+        past = min(high, lo + self.step(lo))
         if shaped == CLOSED:  # lo's own buffers, scaled to a step past it, do not fit
             if not closing_plan:
-                notes.append(f"the plan at {lo:,}, its buffers scaled to {past:,} rows, does not fit: not planned "
-                             "there, the probe past the answer is the check")
+                self.notes.append(f"the plan at {lo:,}, its buffers scaled to {past:,} rows, does not fit: not planned "
+                                  "there, the probe past the answer is the check")
                 return None
             return past if past not in plans else None
         if shaped is not None:
             return shaped
         if hi is None:
-            return _aim_from_resident(plans[lo], limit, high, needs) if len(plans) == 1 else \
-                _next_aim(plans, lo, hi, limit, high, need=needs)
-        # (within twice lo only, where they put the edge as closing plans did in the benchmark on the H100 and
-        # in lab mode; at other limits they missed by a few percent: the probe past the answer is the check)
+            return _aim_from_resident(plans[lo], self.limit, high, self.needs) if len(plans) == 1 else \
+                _next_aim(plans, lo, hi, self.limit, high, need=self.needs)
+        # (within twice lo only: at other limits the plans between missed by a few percent; the probe past the
+        # answer is the check)
         between = planned_between(plans[lo], plans[hi], past) if hi in plans and hi <= 2 * lo and not closing_plan \
             else None
-        if between is not None and not judge(between):
-            notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
-                         "the probe past the answer is the check")
+        if between is not None and not self.judge(between):
+            self.notes.append(f"the plans between {lo:,} and {hi:,} put the edge below {past:,}: not planned there, "
+                              "the probe past the answer is the check")
             return None
-        aim = _aim_between(plans, lo, hi, resolution, judge)
-        return aim if aim is not None else _next_aim(plans, lo, hi, limit, high, need=needs)
+        aim = _aim_between(plans, lo, hi, self.resolution, self.judge)
+        return aim if aim is not None else _next_aim(plans, lo, hi, self.limit, high, need=self.needs)
 
+    def first(self, low: int, high: int, limit_bytes: int | None) -> tuple[StepPlan, int | None, int | None]:
+        """The first plan, the limit set from it, and the first bracket (lo, hi) of the edge."""
+        start = min(high, max(low, FIRST_PLAN))
+        start = next((b for b in range(start, min(high, start + 64) + 1) if told_apart(b, self.widths)), start)
+        first = self.at(start)
+        refused = None  # the first plan's batch where XLA could not compile it: not fitting, an upper bound
+        if first is None and start > low:
+            refused, start, first = start, low, self.at(low)
+        if first is None:
+            raise SetupError(self.notes[-1] if self.notes else "plan: the step could not be planned.")
+        self.limit = first.limit_bytes if limit_bytes is None else limit_bytes
+        if self.limit is None:
+            raise SetupError("the device's limit is not known: pass limit_bytes.")
+        lo, hi = (start, refused) if self.fits(start) else (None, start)
+        if lo is None and start > low:
+            lo, hi = (low, start) if self.fits(low) else (None, low)
+        return first, lo, hi
+
+
+def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low: int = 1, high: int = 65536,
+                          resolution: float = 0.02, max_plans: int = 14, fit: FreshFit = FreshFit(),
+                          closing_plan: bool = True, closing=None) -> PlanSearch:
+    """The largest batch from `low` to `high` whose planned step fits `limit_bytes` (None: the device's
+    limit), to within `resolution` (a fraction of the batch), each plan judged as `fit` (a FreshFit).
+    The first plan is at FIRST_PLAN rows (`low` where more, or where that one does not fit); a batch
+    below a plan that fits is taken to fit. Each next plan is aimed by the shapes of the largest that
+    fits, else by the plans between the two that bracket the edge, else by lines through plans; the
+    answer is always a plan's.
+    closing_plan=False: no plan past the answer where its shapes, or the plans between, say it fails
+    there (a probe past the answer is the check); `failure` is then the bracket's upper plan and a note
+    says so. closing(batch): called before the plan at `batch` compiles where, if it fits, the search
+    ends at it (a caller may begin that batch's probes, and the one past it, meanwhile)."""
+    started = time.perf_counter()
+    plans = _Plans(model, sample, fit, resolution, high)
+    first, lo, hi = plans.first(low, high, limit_bytes)
+    step = plans.step
     aim = None
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
-        aim = cleared(next_aim())
-    def proven(planned: StepPlan | None) -> int | None:
-        """A failing plan's bytes alone (the step's peak with what the process holds besides), where they
-        exceed the limit and the program compiles the same in any process (no autotuner): a step never
-        takes less than its plan, so that batch cannot train, probe or not. None where the pool's
-        regions or an autotuner decide."""
-        if planned is None or not planned.same_program_anywhere or planned.estimate:
-            return None
-        need = planned.peak_bytes + sum(held(planned))
-        return need if need > limit else None
-
-    while aim is not None and len(plans) < max_plans:
+        aim = plans.cleared(plans.next_aim(lo, hi, closing_plan), lo)
+    while aim is not None and len(plans.by_batch) < max_plans:
         if closing is not None and hi is not None and aim < high and hi - aim <= step(aim) and \
-                proven(plans.get(hi)) is None:
+                plans.proven(plans.by_batch.get(hi)) is None:
             closing(aim)  # if it fits, it is the answer (and the batch past it is to be probed: not proven)
-        if fits(aim):
+        if plans.fits(aim):
             lo = aim
             if aim >= high:
                 break
@@ -177,11 +187,11 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
             hi = aim
         if hi is not None and hi - lo <= step(lo):
             break
-        aim = cleared(next_aim())
-    seconds = time.perf_counter() - started
-    found = PlanSearch(lo, hi, sorted(plans.values(), key=lambda p: p.batch_size), seconds,
-                       first.jit_compile, limit, first.limit_source if limit_bytes is None else "given", notes)
-    need = proven(plans.get(hi)) if hi is not None else None
+        aim = plans.cleared(plans.next_aim(lo, hi, closing_plan), lo)
+    found = PlanSearch(lo, hi, sorted(plans.by_batch.values(), key=lambda p: p.batch_size),
+                       time.perf_counter() - started, first.jit_compile, plans.limit,
+                       first.limit_source if limit_bytes is None else "given", plans.notes)
+    need = plans.proven(plans.by_batch.get(hi)) if hi is not None else None
     if need is not None:
         found.proven_failure, found.proven_bytes = hi, need
     return found
@@ -227,10 +237,10 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
     """The largest batch below `above` (a plan at a batch that does not fit) whose plan fits
     `limit_bytes`, to within `resolution`; each aim is by the shapes of `above` (planned_by_shapes:
     the largest batch they say fits), then of the plans made, else where the line through the
-    model's resident bytes (at batch 0) and a failing plan's peak meets the limit. `seconds` bounds the search:
-    what is known by then is returned (each plan is a compile: about a second in lab mode, 10-30 s
-    on a GPU). held(plan): what the process holds besides the step at that plan's batch (a fit's data);
-    regions: as StepPlan.fits; planner: plan, or one that plans elsewhere (plans/need.py's CPU copy)."""
+    model's resident bytes (at batch 0) and a failing plan's peak meets the limit. `seconds` bounds the
+    search: what is known by then is returned (each plan is a compile). held(plan): what the process holds
+    besides the step at that plan's batch (a fit's data); regions: as StepPlan.fits; planner: plan, or one
+    that plans elsewhere (plans/need.py's CPU copy)."""
     started = time.perf_counter()
     plans: dict[int, StepPlan] = {above.batch_size: above}
     notes: list[str] = []

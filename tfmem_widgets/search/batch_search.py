@@ -15,9 +15,8 @@ edge: near it fitting need not be monotone (regions and chunk rounding); a batch
 a failure, or one that trained in one process and failed in another, is reported, and the recommended
 batch stays below every failure.
 
-Each probe runs `model.fit` over `steps` copies of the batch, as the user trains: on an H200,
-`train_on_batch` at 125,321 examples peaked at 14.89 GiB under a 16000 MB limit while `fit` at
-the same batch ran out of memory (Keras' input pipeline holds a batch on the device too).
+Each probe runs `model.fit` over `steps` copies of the batch, as the user trains (`train_on_batch`
+holds less: Keras' input pipeline holds a batch on the device too).
 """
 
 from __future__ import annotations
@@ -36,10 +35,7 @@ from .probe import Probe, first_line
 from .progress import progress_for
 from .warm import probing, room_for_two
 
-# Measured on an H200 (TensorFlow 2.21, Keras 3.15): one epoch of 4 batches of 20,000 peaked at
-# 3.69 GiB from a tf.data pipeline on the host and at 4.91 GiB from NumPy arrays, the whole x
-# (1.22 GiB) more; at the batch a 16 GB search recommended, the NumPy epoch ran out of memory and
-# the host pipeline's peaked at 85% of the limit.
+# A fit given NumPy arrays holds the whole arrays on the device besides the probes' one batch (docs/what-fits.md).
 NUMPY_NOTE = ("the probes hold one batch; model.fit(x, y) with NumPy arrays also puts the whole arrays on the "
               "device: feed a tf.data pipeline built on the host (with tf.device('CPU:0')), or leave room for them")
 
@@ -190,10 +186,8 @@ class BatchSearch(LinesText):
 
     def _largest_measured_within(self, budget: float) -> int | None:
         """The largest batch probes trained at whose peak stayed within `budget` in every probe there, and
-        at least the margin below every failure (margin: a fraction of the batch too). A step's peak at one
-        batch differs between processes (a graph step's in lab mode: 88 to 105 MiB at 4,096 in nine), and
-        near the edge fitting is not monotone: a batch 2% under a failure whose one probe peaked at 84%
-        of the limit ran out of memory in the next process."""
+        at least the margin below every failure (margin: a fraction of the batch too): a step's peak at one
+        batch differs between processes, and near the edge fitting is not monotone."""
         lowest = min(self._failures(), default=None)
         top = None if lowest is None else lowest * (1 - self.margin)
         over = {p.batch for p in self.fitted if p.peak_bytes > budget}
@@ -227,9 +221,8 @@ class BatchSearch(LinesText):
     def recommended(self) -> int | None:
         """The largest batch that trained below every failure; with a margin, the largest batch the
         probes measured (each trained) whose peaks left `margin` of the limit free, `margin` below every
-        failure (a fraction of the batch). Measured, not read off the line: near the edge a batch the line
-        puts 10% under the limit ran out of memory in lab mode, and a batch that trained once failed in
-        the next process. The search aims a probe at the margin and probes the batch it recommends twice
+        failure (a fraction of the batch). Measured, not read off the line (near the edge the line misses).
+        The search aims a probe at the margin and probes the batch it recommends twice
         (search/next_probe.settle_recommended)."""
         largest = self.edge[0]
         if largest is None or self.margin == 0:
@@ -378,11 +371,8 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                    margin: float = 0.0, resolution: float = 0.02, probe_timeout: float = 600,
                    max_probes: int = 16, progress: str | bool | None = None,
                    env: Mapping[str, str] | None = None, method: str = "auto") -> BatchSearch:
-    """The largest batch `build_model()`'s model trains with, each probe in a fresh process (started
-    while the one before it runs, except after the probes that confirm plans, expected to be the last
-    where no margin's probes follow (after two side by side, none: a third would share their cores):
-    its imports done ahead, its setup and TensorFlow's runtime begun only when its batch is known,
-    search/warm.py).
+    """The largest batch `build_model()`'s model trains with, each probe in a fresh process (its imports
+    done ahead of its batch: search/warm.py).
 
     build_model: returns a compiled Keras model (XLA as you compile it).
     make_batch:  make_batch(n) returns one batch (x, y) of exactly n examples.
@@ -391,24 +381,49 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     low, high:   the batches searched between; steps: train steps a probe runs.
     margin:      the fraction of the limit `recommended` leaves free by its measured peaks, and of the batch
                  below every failure; with one, once the edge is known, up to 4 probes more (counted in
-                 max_probes): aimed at the margin where nothing measured is near it, and the recommended
-                 batch again in another process.
+                 max_probes) settle the recommended batch.
     resolution:  the search stops when the edge is known within this fraction of the batch.
     probe_timeout: seconds before a probe, and every process it started, is stopped.
     progress:    None: a bar in a notebook (with the extension loaded), a line per probe elsewhere; "lines";
                  False: silent; or an object with probing(count, batch), probed(count, probe), done(search).
-    env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}:
-                 on a GPU, XLA's GEMM autotuner makes an XLA step past the edge wait (refused scratch,
-                 10 s a refusal) for minutes instead of raising.
-
-    method:      "plan": plan the step at a few batches in one fresh process (XLA's buffer assignment, seconds
-                 each), then confirm the answer with a probe at it and one just past it (side by side where
-                 each probe has a limit of its own and the machine room for both; more probes only where
-                 they disagree); "probe": probes only; "auto" (default): plans where the model's step
-                 is an XLA program (jit_compile), probes otherwise (a plan of a step without XLA is an estimate).
+    env:         environment variables for every probe, e.g. {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
+                 (on a GPU, XLA's autotuner makes a step past the edge wait for minutes instead of raising).
+    method:      "plan": plan the step at a few batches in one fresh process (XLA's buffer assignment), then
+                 confirm the answer with a probe at it and one just past it; "probe": probes only; "auto"
+                 (default): plans where the model's step is an XLA program (jit_compile), probes otherwise.
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
+    search = _new_search(build_model, make_batch, setup, env, low=low, high=high, steps=steps, margin=margin,
+                         resolution=resolution, probe_timeout=probe_timeout, method=method)
+    max_probes = check_count("max_probes", max_probes, 2)
+    if progress not in (None, False, "lines", "bar") and not all(
+            callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
+        raise SetupError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
+                         f"probed() and done(), got {progress!r}.")
+    bar = progress_for(progress, max_probes)
+    past: list[int] = []
+    _, setup, env, _ = search._run
+    pairs = method != "probe" and room_for_two(setup, env, now=False) is not None
+    with search._probing(pairs) as probe_one:
+        batch = _search(search, probe_one, bar, method, max_probes, past)
+        if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
+            within = search.first_failure is not None and search.largest is not None and \
+                search.first_failure - search.largest <= max(1, math.ceil(search.largest * search.resolution))
+            search.notes.append(f"stopped at max_probes={max_probes} " + (
+                "before the probe past the edge" if within else "before the edge was within the resolution"))
+    if search.largest is not None and not search.failed and search.largest < search.high and not search.interrupted:
+        search.notes.append("no probe ran out of memory")
+    if past and any(p.batch == past[0] for p in search.fitted):
+        search.notes.append(f"the probe past the edge ({past[0]:,}) trained: fitting is not monotone here; above it "
+                            "was not searched, and the recommended batch stays below every failure")
+    bar.done(search)
+    return search
+
+
+def _new_search(build_model, make_batch, setup, env, *, low, high, steps, margin, resolution, probe_timeout,
+                method) -> BatchSearch:
+    """A search with no probe yet, every argument checked (one line for the first that is wrong)."""
     from ..fresh.run import check_request, check_timeout
 
     if not callable(build_model) or not callable(make_batch):
@@ -418,7 +433,6 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     if low > high:
         raise SetupError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
     steps = check_count("steps", steps, 1)
-    max_probes = check_count("max_probes", max_probes, 2)
     margin = check_fraction("margin", margin, 1)
     resolution = check_fraction("resolution", resolution, 0.5)
     if resolution == 0:
@@ -428,10 +442,6 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     env = {str(k): str(v) for k, v in (env or {}).items()}
     if method not in ("auto", "plan", "probe"):
         raise SetupError(f"max_batch_size: method must be 'auto', 'plan' or 'probe', got {method!r}.")
-    if progress not in (None, False, "lines", "bar") and not all(
-            callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
-        raise SetupError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
-                         f"probed() and done(), got {progress!r}.")
     try:
         import cloudpickle
 
@@ -440,54 +450,44 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         raise SetupError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
                          f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
                          "or a module.") from None
+    return BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
+                       lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
 
-    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
-                         lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
-    bar = progress_for(progress, max_probes)
-    past: list[int] = []
-    pairs = method != "probe" and room_for_two(setup, env, now=False) is not None
-    with search._probing(pairs) as probe_one:
-        batch: int | None = low
+
+def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, past: list[int]) -> int | None:
+    """The plans (unless method is 'probe'), then probes until the edge is known (and the margin's probes);
+    the batch it would have probed next (None: none). Ctrl-C keeps what the probes so far show."""
+    low = search.low
+    batch: int | None = low
+    settling = False
+    try:
         probe_past = True
-        settling = False
-        try:
-            if method != "probe":
-                from .plan_first import BETWEEN, DONE, UP, plan_first
+        if method != "probe":
+            from .plan_first import BETWEEN, DONE, UP, plan_first
 
-                then = plan_first(search, probe_one, bar, auto=method == "auto", max_probes=max_probes)
-                probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already
-                batch = None if then == DONE else next_batch(search, past, probe_past) if then in (UP, BETWEEN) \
-                    else low
-            while batch is not None and len(search.probes) < max_probes:
-                bar.probing(len(search.probes) + 1, batch)
-                probe = probe_one(batch)
-                bar.probed(len(search.probes), probe)
-                if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
-                    what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
-                            else f"a batch of {low:,} does not fit")
-                    raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
-                                     f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
-                                     f"; {search.where}): raise the limit or make the model smaller.")
-                batch = next_batch(search, past, probe_past)
-            if margin and batch is None:
-                settling = True
-                settle_recommended(search, probe_one, bar, max_probes)
-        except KeyboardInterrupt:
-            search.interrupted = True
-            if settling:
-                rec = search.recommended
-                search.notes.append("interrupted while probing for the margin, after the edge was known: "
-                                    + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
-                                       if rec is not None else "no batch is recommended"))
-        if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
-            within = search.first_failure is not None and search.largest is not None and \
-                search.first_failure - search.largest <= max(1, math.ceil(search.largest * resolution))
-            search.notes.append(f"stopped at max_probes={max_probes} " + (
-                "before the probe past the edge" if within else "before the edge was within the resolution"))
-    if search.largest is not None and not search.failed and search.largest < high and not search.interrupted:
-        search.notes.append("no probe ran out of memory")
-    if past and any(p.batch == past[0] for p in search.fitted):
-        search.notes.append(f"the probe past the edge ({past[0]:,}) trained: fitting is not monotone here; above it "
-                            "was not searched, and the recommended batch stays below every failure")
-    bar.done(search)
-    return search
+            then = plan_first(search, probe_one, bar, auto=method == "auto", max_probes=max_probes)
+            probe_past = then != BETWEEN  # BETWEEN: a failure above the edge is known already
+            batch = None if then == DONE else next_batch(search, past, probe_past) if then in (UP, BETWEEN) \
+                else low
+        while batch is not None and len(search.probes) < max_probes:
+            bar.probing(len(search.probes) + 1, batch)
+            probe = probe_one(batch)
+            bar.probed(len(search.probes), probe)
+            if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
+                what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
+                        else f"a batch of {low:,} does not fit")
+                raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
+                                 f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
+                                 f"; {search.where}): raise the limit or make the model smaller.")
+            batch = next_batch(search, past, probe_past)
+        if search.margin and batch is None:
+            settling = True
+            settle_recommended(search, probe_one, bar, max_probes)
+    except KeyboardInterrupt:
+        search.interrupted = True
+        if settling:
+            rec = search.recommended
+            search.notes.append("interrupted while probing for the margin, after the edge was known: "
+                                + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
+                                   if rec is not None else "no batch is recommended"))
+    return batch

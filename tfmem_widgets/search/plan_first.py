@@ -1,15 +1,9 @@
 """A batch search that plans first: the plans in one fresh process, then probes that confirm them.
 
-``max_batch_size(method="plan")`` runs ``plan_search.largest_planned_batch`` in one fresh process set
-up like the probes, then confirms the answer with a probe at it and one just past it
-(``search/batch_search.py``): side by side, each in a process of its own, where the machine has room for both
-(``warm.room_for_two``); the plans then stop without a plan just past the answer where its shapes (or
-the plans between) say it fails there, the probe past it being the check (one compile fewer). Where
-the plans close in from above (a plan failed, and the next lies within a step below it: if it fits,
-it is the answer, and the batch past it is not proven to fail by the plan above's bytes alone), the
-two probes begin as that plan compiles (``largest_planned_batch``'s `closing`), where the machine has
-room for two then: on a GPU a compile near the edge takes seconds. The probes stand whatever that plan
-says; where it did not fit and its probe did not train, the plans' answer below it is probed next.
+``max_batch_size(method="plan")`` runs ``plans/largest.largest_planned_batch`` in one fresh process set
+up like the probes, then probes its answer and the batch just past it: side by side where the machine
+has room for both (``warm.room_for_two``), begun while the closing plan compiles where the plans close
+in from above. More probes only where they disagree with the plans.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..fresh.transport import tell_batch
-from ..plans.largest import PlanSearch, largest_planned_batch
+from ..plans.largest import FreshFit, PlanSearch, largest_planned_batch
 from ..plans.plan import device_of
 
 
@@ -42,16 +36,14 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
         return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
     sample = make_batch(min(low, 8))
     # A probe's fit builds the slots itself where build_model() left them unbuilt; on the CPU (lab mode) its first
-    # step then writes the slots that shared a buffer their own (plan.slots_shared_by_fit), on an H200 it did not.
+    # step then writes the slots that shared a buffer their own (plan.slots_shared_by_fit).
     fit_builds_slots = device_of(model).startswith("CPU") and not getattr(model.optimizer, "built", True)
     share = data_on_device(make_batch, model)
+    fit = FreshFit(held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes if share),
+                   start=start, builds_slots=fit_builds_slots)
+    closing = None if closing_aim is None else lambda batch: tell_batch(Path(closing_aim), batch)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,
-                                  held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes
-                                                             if share),
-                                  closing_plan=closing_plan, fit_start=start,
-                                  closing=None if closing_aim is None else lambda batch: tell_batch(Path(closing_aim),
-                                                                                                    batch),
-                                  fit_builds_slots=fit_builds_slots)
+                                  fit=fit, closing_plan=closing_plan, closing=closing)
     if start is not None:
         found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
                            f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "
@@ -67,8 +59,7 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
 def data_on_device(make_batch, model, rows: int = 256) -> float:
     """The bytes a probe's data holds on the model's device besides the step's copy of the batch, per
     byte of batch, measured: make_batch(rows) made into the probe's dataset (``probe.probe_dataset``).
-    On a GPU the arrays become a constant on the device, and the step takes its own copy of each batch
-    (measured on an H100: the probes' peaks stood one batch above the plans, 229 MiB at batch 114,260);
+    On a GPU the arrays become a constant on the device, and the step takes its own copy of each batch;
     on the CPU (lab mode) the step reads that constant in place, so nothing is held besides (0.0)."""
     import numpy as np
     import tensorflow as tf
@@ -103,27 +94,36 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
     agree with the plans), FROM_LOW (no plans, nothing below the answer trained), UP (both trained),
     BETWEEN (the answer did not train, a batch below it did: the probes close in between).
 
-    Where the two probes can run side by side, they begin as soon as the plans' answer is all but
-    known: when the planning process starts a closing plan (a plan above it failed within its step,
-    so if it fits it is the answer), its two probes run while it compiles (on a GPU a compile near
-    the edge takes seconds), where the machine has room for two then. They stand whatever that plan
-    says: where it did not fit and its probe did not train either, the plans' answer below it is
-    probed next. The probes after the pair stop at max_probes (then FROM_LOW: the search says it stopped
-    there). With a margin, a process waits after the last probe it expects: the margin's probes follow."""
+    Where two probes can run side by side, they begin while the planning process compiles a closing
+    plan (a plan above it failed within its step, so if it fits it is the answer), and stand whatever
+    that plan says. The probes after the pair stop at max_probes (then FROM_LOW). With a margin, a
+    process waits after the last probe it expects: the margin's probes follow."""
+    probe = _probe_with(search, probe_one, progress)
+    found, early = _plans(search, probe_one, progress, auto)
+    if found is not None and found.jit_compile is not True and auto:
+        return FROM_LOW
+    if early is not None and early[2] is not None:  # the pair began while the plans went on: its probes stand
+        return _after_early_pair(search, early, progress, probe, max_probes)
+    if found is None or found.batch is None:
+        return FROM_LOW
+    return _confirm(search, found, probe_one, progress, probe, max_probes)
+
+
+def _step_of(search, batch: int) -> int:
+    return max(1, math.ceil(batch * search.resolution))
+
+
+def _plans(search, probe_one, progress, auto: bool):
+    """The plans, made in one fresh process, kept on the search before any probe is read (a Ctrl-C there
+    keeps them): (the PlanSearch or None, the pair begun while a closing plan compiled or None)."""
     from ..errors import FreshRunError
     from ..fresh.run import run_checked
-    from ..units import format_bytes
 
     _, setup, env, timeout = search._run
     started = time.perf_counter()
     pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
     begin_pair = getattr(probe_one, "begin_pair", None)  # the same, begun now, read later
     aim_file = Path(probe_one.path).with_name("closing-aim")
-    probe = _probe_with(search, probe_one, progress)
-
-    def step_of(batch: int) -> int:
-        return max(1, math.ceil(batch * search.resolution))
-
     early = None  # the pair begun while the closing plan compiles: (its batches, when, what reads it)
 
     def closing_begun() -> None:  # (called while the planning process runs, every 0.1 s)
@@ -134,7 +134,7 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
             aim = int(aim_file.read_text())
         except (OSError, ValueError):  # (written whole, at once: not expected)
             return
-        batches = (aim, min(search.high, aim + step_of(aim)))  # (the aim is below high: the past one above it)
+        batches = (aim, min(search.high, aim + _step_of(search, aim)))  # (the aim is below high)
         read = begin_pair(*batches)  # None: no room for two now, the plans go on alone
         early = (batches, time.perf_counter(), read)
         if read is not None:
@@ -151,48 +151,60 @@ def plan_first(search, probe_one, progress, auto: bool, max_probes: int) -> str:
         search.notes.append(f"the plans could not be made (the process {exc.how}): "
                             + ("the probes begun meanwhile decide" if early and early[2] else "probes only"))
     search.plan_seconds = time.perf_counter() - started
-    if found is not None:  # the plans kept before the probes are read (a Ctrl-C there keeps them)
+    if early is not None:  # how long the pair ran beside the plans, at most
+        batches, began, read = early
+        early = (batches, started + search.plan_seconds - began, read)
+    if found is not None:
         if found.jit_compile is not True:
-            if auto:
-                search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
-                                    "estimate, so the search probed only")
-                return FROM_LOW
-            search.notes.append("the model's step runs without XLA (jit_compile=False): the plans are of the same "
+            search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
+                                "estimate, so the search probed only" if auto else
+                                "the model's step runs without XLA (jit_compile=False): the plans are of the same "
                                 "step under XLA, an estimate; the probes decide")
+            if auto:
+                return found, None
         search.plans = found.plans
         search.notes.extend(found.notes)
         search.plan_answer = found.batch
-    if early is not None and early[2] is not None:  # the pair began while the plans went on: its probes stand
-        (answer, past), began, read = early
-        both = read()
-        _show_probed(search, progress, both)
-        search.beside_plans_seconds += min(started + search.plan_seconds - began, max(p.seconds for p in both))
-        search.notes.append(f"batches {answer:,} and {past:,} were probed while the plan at {answer:,} compiled: "
-                            "if it fitted, it was the plans' answer")
-        planned = search.plan_answer
-        if both[0].fits or planned is None or planned >= answer:
-            return _after_pair(search, both, answer, step_of(answer), probe, max_probes)
-        if len(search.probes) >= max_probes:
-            return FROM_LOW  # (the search says it stopped at max_probes)
-        # The plan at the aim did not fit, nor did its probe train: the plans' answer below it next.
-        search.notes.append(f"the plan at {answer:,} did not fit: the plans' answer {planned:,} probed next")
-        if probe(planned):
-            return BETWEEN  # (within a step of the aim's failure: done; else the probes close in between)
-        return _step_down(search, planned, step_of(planned), probe, max_probes)
-    if found is None or found.batch is None:
-        return FROM_LOW
+    return found, early
+
+
+def _after_early_pair(search, early, progress, probe, max_probes: int) -> str:
+    """The pair begun while the closing plan compiled ((its batches, the seconds it ran beside the plans, what
+    reads it)), read: how the search goes on."""
+    (answer, past), beside, read = early
+    both = read()
+    _show_probed(search, progress, both)
+    search.beside_plans_seconds += min(beside, max(p.seconds for p in both))
+    search.notes.append(f"batches {answer:,} and {past:,} were probed while the plan at {answer:,} compiled: "
+                        "if it fitted, it was the plans' answer")
+    planned = search.plan_answer
+    if both[0].fits or planned is None or planned >= answer:
+        return _after_pair(search, both, answer, _step_of(search, answer), probe, max_probes)
+    if len(search.probes) >= max_probes:
+        return FROM_LOW  # (the search says it stopped at max_probes)
+    # The plan at the aim did not fit, nor did its probe train: the plans' answer below it next.
+    search.notes.append(f"the plan at {answer:,} did not fit: the plans' answer {planned:,} probed next")
+    if probe(planned):
+        return BETWEEN  # (within a step of the aim's failure: done; else the probes close in between)
+    return _step_down(search, planned, _step_of(search, planned), probe, max_probes)
+
+
+def _confirm(search, found, probe_one, progress, probe, max_probes: int) -> str:
+    """The plans' answer probed, and the batch just past it (side by side where there is room for both)."""
+    from ..units import format_bytes
+
     answer = found.batch
-    step = step_of(answer)
+    step = _step_of(search, answer)
     proven = found.proven_failure
     past = min(search.high, answer + step)
     last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
+    pair = getattr(probe_one, "pair", None)
     if not last and pair is not None:
         _show_probing(search, progress, (answer, past))
         both = pair(answer, past)  # side by side, where the machine has room for both (else None)
         if both is not None:
             _show_probed(search, progress, both)
             return _after_pair(search, both, answer, step, probe, max_probes)
-
     margin = bool(search.margin)  # its probes follow the edge (search/next_probe.settle_recommended)
     if probe(answer, ahead=not last or margin):
         if answer >= search.high:
@@ -242,7 +254,7 @@ def _step_down(search, answer: int, step: int, probe, max_probes: int) -> str:
     """The answer did not train: probe below it until a batch does (at most max_probes in all)."""
     # The plans were high (in a pool that grows, where its regions fall and the fit's own transients
     # decide): step down from the answer, farther each time, until a batch trains; the probes close in
-    # between it and the smallest failure (measured in lab mode: plans 4-8% high near the edge).
+    # between it and the smallest failure.
     for cut in (2 * step / answer, 0.12, 0.3):
         below = int(answer * (1 - cut))
         if below < search.low or len(search.probes) >= max_probes:

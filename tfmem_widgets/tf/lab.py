@@ -36,9 +36,11 @@ class LabSetting:
 
     @property
     def limit_bytes(self) -> int | None:
+        """The CPU BFC allocator's limit as TensorFlow holds it (no practical limit: 2**64 - 1); None
+        where lab mode is off."""
         if not self.enabled:
             return None
-        return None if self.limit_mb is None else self.limit_mb * MiB
+        return (1 << 64) - 1 if self.limit_mb is None else self.limit_mb * MiB
 
     @property
     def crashes(self) -> bool:
@@ -98,11 +100,5 @@ def lab_setting(env: Mapping[str, str | None] | None = None) -> LabSetting:
 
 
 def lab_limit_bytes(env: Mapping[str, str | None] | None = None) -> int | None:
-    """The CPU BFC allocator's limit if lab mode is configured, else None (see lab_setting).
-
-    With no practical limit (a negative one), this is the limit as TensorFlow holds it.
-    """
-    setting = lab_setting(env)
-    if not setting.enabled:
-        return None
-    return setting.limit_bytes if setting.limit_mb is not None else (1 << 64) - 1
+    """The CPU BFC allocator's limit if lab mode is configured, else None (LabSetting.limit_bytes)."""
+    return lab_setting(env).limit_bytes

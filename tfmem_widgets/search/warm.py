@@ -135,6 +135,7 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
     whether the setup allows it at all, the free memory (the GPUs' and the host's) left unchecked."""
     import psutil
 
+    from ..tf.limits import setup_gpu_mb
     from ..tf.nvml import NvmlUnavailable, nvml_index_for_cuda_ordinal, read_gpus
 
     setup, env = setup or {}, env or {}
@@ -157,27 +158,25 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
             return None
         return (f"each under its {setup['lab_mb']} MB lab limit, with {format_bytes(host)} of the host's "
                 "memory available")
-    limit, split = setup.get("limit_mb"), setup.get("split")
-    if limit is None and isinstance(split, (list, tuple)):
-        limit = sum(split)
-    if limit is None or (now and host < 2 * BESIDES_THE_POOL):
+    limits = {ordinal: setup_gpu_mb(setup, ordinal) for ordinal in ordinals}
+    if None in limits.values() or (now and host < 2 * BESIDES_THE_POOL):
         return None
     free = []
-    for ordinal in ordinals:
-        mb = limit.get(ordinal) if isinstance(limit, dict) else limit
+    for ordinal, mb in limits.items():
         index = nvml_index_for_cuda_ordinal(ordinal, gpus)
-        if mb is None or index is None:
+        if index is None:
             return None
         if now and gpus[index].free_bytes < 2 * ((mb << 20) + BESIDES_THE_POOL):
             return None
         free.append(f"GPU {ordinal} had {format_bytes(gpus[index].free_bytes)} free")
-    return f"each under its {_said(limit)} limit, where " + ", ".join(free)
+    return f"each under its {_said(limits, setup.get('limit_mb'))} limit, where " + ", ".join(free)
 
 
-def _said(limit) -> str:
-    if isinstance(limit, dict):
-        return ", ".join(f"GPU {k}: {v} MB" for k, v in sorted(limit.items()))
-    return f"{limit} MB"
+def _said(limits: dict, asked) -> str:
+    """The probes' limits in words: one figure where one was asked for every GPU, else GPU by GPU."""
+    if isinstance(asked, dict) or len(set(limits.values())) > 1:
+        return ", ".join(f"GPU {k}: {v} MB" for k, v in sorted(limits.items()))
+    return f"{next(iter(limits.values()))} MB"
 
 
 class WarmProbes:

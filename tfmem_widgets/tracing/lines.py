@@ -251,7 +251,7 @@ def _decode_batch(pieces, info, intern, parts, spans) -> None:
     # An event's metadata id is its first field when it is set: memory events are those.
     has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
     try:
-        meta, offset, duration, after = _event_fields(buf, starts, ends, has_id, info)
+        meta, offset, duration, after = _ids_and_times(buf, starts, ends, has_id, info)
         is_memory = has_id & _is_memory(info, meta)  # (by the ids read here, as a memory event's are)
     except ValueError:
         if len(pieces) == 1:
@@ -306,7 +306,7 @@ def _joined(pieces):
     return buf, starts, ends, lengths, bounds
 
 
-def _event_fields(buf, starts, ends, has_id, info):
+def _ids_and_times(buf, starts, ends, has_id, info):
     """Each event's metadata id, offset and duration (ps), and where its fields after them begin.
     Raises ValueError at a damaged event."""
     meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)

@@ -2,8 +2,8 @@
 
 One home for "how much may this allocator hold": lab mode's limit for the CPU, a logical device's
 own limit, or TensorFlow's default for a GPU (read once its runtime has started); the card's size
-(NVML) or the host's memory as the capacity a limit is set below; and the limit a fresh process's
-setup gives, for a dump read after that process has gone.
+(NVML) or the host's memory as the capacity a limit is set below; and the limits a fresh process's
+setup gives (a dump read after that process has gone, two probes side by side).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ _INT_CLEAN = re.compile(r"\s*[+-]?\d+\s*")
 class LabSetting:
     """What TensorFlow makes of TF_CPU_ALLOCATOR_USE_BFC and TF_CPU_BFC_MEM_LIMIT_IN_MB.
 
-    Measured on TensorFlow 2.21 (tests/test_environment.py checks it against TensorFlow): the
+    As TensorFlow 2.21 reads them (tests/test_environment.py checks it against TensorFlow): the
     switch takes 1, 0, true or false in any case and nothing else (not ' true', 'yes', 'on');
     the limit is read as the whole number at its start ('64MB' is 64, '32.5' is 32, ' 64' and
     '+64' are 64), although TensorFlow logs that it uses its default; a limit of 0 (also '',

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conftest import FRESH_SHELL, run_fresh, start_fresh
-from tfmem_widgets.tf.lab import LAB_DEFAULT_LIMIT_MB
+from tfmem_widgets.tf.lab import LAB_DEFAULT_LIMIT_MB, lab_limit_bytes
 from tfmem_widgets.tf.options import DEFAULT_LAB_MB, LAB_LIMIT_ENV, LAB_USE_BFC_ENV, SetupRequest
 from tfmem_widgets.tf.setup_rules import DeviceState, plan_setup
 from tfmem_widgets.units import GiB
@@ -42,6 +42,13 @@ def test_a_malformed_limit_reads_as_the_number_tensorflow_enforces_and_says_so(r
     setting = lab_setting(env("true", raw))
     assert setting.enabled and setting.limit_mb == enforced
     assert len(setting.problems) == 1 and f"enforces {enforced} MB" in setting.problems[0]
+
+
+@pytest.mark.parametrize("environment, held", [
+    (env("1", "64"), 64 << 20), (env("true", "-1"), (1 << 64) - 1), (env("1", str(1 << 44)), (1 << 64) - 1),
+    (env("1"), LAB_DEFAULT_LIMIT_MB << 20), (env("false", "64"), None), (env("yes", "64"), None), ({}, None)])
+def test_the_lab_limit_is_the_one_tensorflow_holds(environment, held):
+    assert lab_setting(environment).limit_bytes == lab_limit_bytes(environment) == held
 
 
 def test_a_limit_tensorflow_reads_as_zero_is_a_crash_and_a_bare_setup_refuses_it():

@@ -1,3 +1,4 @@
+from tfmem_widgets.tf.limits import setup_device_mb, setup_gpu_mb, setup_limit
 from tfmem_widgets.tf.nvml import GpuMemory, nvml_index_for_cuda_ordinal
 from tfmem_widgets.tf.system_reserve import system_reserve
 from tfmem_widgets.units import GiB, MiB, format_bytes, format_exact
@@ -41,3 +42,29 @@ def test_cuda_ordinal_to_nvml_index(monkeypatch):
     assert nvml_index_for_cuda_ordinal(0, _gpus(4)) == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-abc")
     assert nvml_index_for_cuda_ordinal(0, _gpus(4)) is None
+
+
+def test_a_setups_limit_per_gpu_is_its_logical_devices_together():
+    assert setup_gpu_mb({"limit_mb": 4096}, 1) == 4096
+    assert setup_gpu_mb({"limit_mb": {1: 2048}}, 1) == 2048 and setup_gpu_mb({"limit_mb": {1: 2048}}, 0) is None
+    assert setup_gpu_mb({"split": [1024, 3072]}, 0) == 4096
+    assert setup_gpu_mb({"limit_mb": 4096, "split": 2}, 0) == 4096
+    assert setup_gpu_mb({"split": 2}, 0) is None  # the count divides what the process finds free
+    assert setup_gpu_mb({"lab_mb": 256}, 0) is None and setup_gpu_mb(None, 0) is None
+
+
+def test_a_setups_limit_per_logical_device_counts_them_gpu_after_gpu():
+    sizes = {"split": [1024, 3072]}
+    assert [setup_device_mb(sizes, k) for k in range(4)] == [1024, 3072, 1024, 3072]
+    assert [setup_device_mb({"limit_mb": {0: 4096, 1: 2048}, "split": 2}, k) for k in range(4)] == [2048, 2048, 1024, 1024]
+    assert setup_device_mb({"gpus": [1], "limit_mb": {1: 2048}}, 0) == 2048  # GPU 1 alone is logical GPU 0
+    assert setup_device_mb({"gpus": [1], "split": [512, 512]}, 2) is None  # no third logical device
+    assert setup_device_mb({"split": 2}, 0) is None
+
+
+def test_the_limit_a_dump_is_read_with_comes_from_the_same_rule():
+    assert setup_limit({"lab_mb": 256}, "bfc_cpu_allocator_for_gpu") == (256 * MiB, "lab mode")
+    assert setup_limit({"split": [1024, 3072]}, "GPU_1_bfc") == (3072 * MiB, "logical device limit")
+    assert setup_limit({"limit_mb": 2000}, "GPU_0_bfc") == (2000 * MiB, "logical device limit")
+    assert setup_limit({"split": 2}, "GPU_0_bfc") == (None, "unknown")
+    assert setup_limit({"limit_mb": 2000}, "bfc_cpu_allocator_for_gpu") == (None, "unknown")

@@ -208,6 +208,9 @@ def test_two_probes_side_by_side_only_where_each_has_its_limit_and_there_is_room
     assert warm.room_for_two({"limit_mb": 2000}, {}) == "each under its 2000 MB limit, where GPU 0 had 70.00 GiB free"
     assert warm.room_for_two({"limit_mb": {0: 2000}}, {}) is not None
     assert warm.room_for_two({"limit_mb": {1: 2000}}, {}) is None  # GPU 0 has no limit of its own
+    assert warm.room_for_two({"split": [1000, 2000]}, {}) == "each under its 3000 MB limit, where GPU 0 had 70.00 GiB free"
+    assert warm.room_for_two({"split": 2}, {}) is None  # a count without a limit divides what each process finds
+    assert "its 2000 MB limit" in warm.room_for_two({"limit_mb": 2000, "split": 2}, {})
     assert warm.room_for_two({"limit_mb": 2000}, {"CUDA_VISIBLE_DEVICES": "1"}) is None  # GPUs this process can't tell
     monkeypatch.setattr(nvml, "read_gpus", lambda: card(40 * GiB))
     assert warm.room_for_two({"limit_mb": 19000}, {}) is None  # 2 x (19000 MB + 2 GiB) is more than 40 GiB free

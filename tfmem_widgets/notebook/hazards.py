@@ -1,6 +1,6 @@
 """Lab-mode OOMs that kill the process, said before the cell runs.
 
-Measured with TensorFlow 2.21 on the CPU's BFC allocator (lab mode):
+What TensorFlow 2.21 does on the CPU's BFC allocator (lab mode):
 - an XLA program (``jit_compile=True``) that runs out of memory raises, then TensorFlow aborts
   while freeing a buffer (``bfc_allocator.cc:711 Check failed: h != kInvalidChunkHandle``);
 - with oneDNN's kernels on (the x86 Linux default), an OOM inside a oneDNN fused kernel (a

@@ -212,9 +212,9 @@ def explain_exception(exc: BaseException, new_since: set[str] | None = None,
 
 def explain_refused(exc: BaseException, new_since: set[str], refused: int, fit: FitContext | None,
                     early: StepNeed | None = None) -> OomReport:
-    """An error that is not an OOM, raised after the allocator refused requests in the same cell
-    (measured on an H100: an XLA fit whose GEMM autotuner was refused scratch for two minutes ended in
-    'InternalError: Graph execution error'): the newest of the cell's dumps, said to be the cause."""
+    """An error that is not an OOM, raised after the allocator refused requests in the same cell (an XLA
+    fit whose autotuner is refused scratch can end in 'InternalError: Graph execution error'): the newest
+    of the cell's dumps, said to be the cause."""
     from dataclasses import replace
 
     report = explain_exception(exc, new_since)

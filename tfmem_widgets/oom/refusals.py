@@ -1,10 +1,9 @@
 """Refusals said while a cell waits.
 
 TensorFlow's allocator waits 10 s after refusing a request before it gives up, and writes a dump
-each time. Measured on an H200: an XLA fit under a 1024 MB limit had its GEMM autotuner (compiling,
-before the first step) refused scratch buffers of 256, 160 and then 64 MiB over and over, 10 s
-each, for minutes, with nothing raised. A cell that is refused is told so as it happens, not
-minutes later: a thread polls the dump place while the cell runs.
+each time. An XLA fit's GEMM autotuner (compiling, before the first step) can be refused scratch over
+and over, 10 s each, for minutes, with nothing raised. A cell that is refused is told so as it happens,
+not minutes later: a thread polls the dump place while the cell runs.
 
 At the first refusal of a fit whose step is an XLA program, the step is planned while the cell waits
 (``plans/need.early_need``, on a thread of its own) and the cell is told what the step

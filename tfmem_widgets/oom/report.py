@@ -119,9 +119,7 @@ class OomReport(LinesText):
         """The in-use chunk the allocator handed out whole for a smaller request (its no-split rule: a
         free chunk is split only when at least twice the request or 128 MiB larger), where that excess
         is at least a MiB, what this request lacks in all and the request itself (split, that excess
-        would be one free chunk): (chunk, the bytes it was asked for, rounded).
-        Measured on an H100 under a 2000 MB logical device: an XLA program's 1.38 GiB buffer took the
-        rest of the one region whole, and its next 4-byte request found nothing. None: no such chunk."""
+        would be one free chunk): (chunk, the bytes it was asked for, rounded). None: no such chunk."""
         if self.map is None or self.request_bytes is None:
             return None
         from ..tf.allocator import rounded

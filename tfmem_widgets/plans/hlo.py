@@ -173,10 +173,7 @@ def batch_profile(proto, allocation: Allocation, batch: int, index: HloIndex | N
     (fixed, scaled) bytes live at each moment, only the moments that can be the largest at some batch
     kept (the upper envelope). At another batch B the allocation holds about
     size × max(fixed + scaled × B / batch) / max(fixed + scaled) while XLA lays the program out the
-    same way (in lab mode from 509 rows: tests/test_plan.py's Dense, attention and convolution steps
-    within 0.5% at 16 to 2,048 rows; a Dense step 1.9% high at 16 rows; the benchmark's Dense step
-    exact to 4,000 rows, then 19% low, laid out otherwise; from 31 rows a Dense step read 33% low at
-    1,024). An output is one buffer.
+    same way; where it lays it out otherwise the figure misses. An output is one buffer.
     A buffer shaped as one of `fixed_shapes` (the model's variables: gradients, updates) never scales,
     whatever its axes. Empty where the batch cannot be told from a layer's width (fewer than 8 rows)."""
     if batch < 8 or allocation.kind not in PER_RUN:

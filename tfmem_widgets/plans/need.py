@@ -1,8 +1,8 @@
 """An OOM in a Keras fit told in terms of its step: what the step needs at the fit's batch and the
 largest batch whose step fits by its planned bytes, from XLA's plans of it (``plan()``), made in this
-process after the OOM. That batch is an upper bound: in lab mode a fit needed more than its planned
-step near the edge (the pool's regions, the fit's own transients; a graph step runs other kernels
-than XLA's program of it), so the report says a probe confirms it.
+process after the OOM. That batch is an upper bound (a fit can need more than its planned step near the
+edge: the pool's regions, the fit's own transients, a graph step's other kernels), so the report says a
+probe confirms it.
 
 The fit is read from its frames while TensorFlow waits on the refused request (``readings/fit_context.py``).
 A plan compiles the step from specs and allocates nothing on the device; with XLA's GPU autotuner on,
@@ -10,20 +10,11 @@ the compiler tries kernels on scratch buffers (the plan notes it). After an XLA 
 nothing is planned here: the allocator is left inconsistent (``oom/report.py``), and the program's
 one buffer of temporaries already says the step's need (``xla_request_need``).
 
-``early_need`` plans while the cell still waits, at an XLA fit's first refusal (``oom/refusals.py``):
-on a GPU its compiler's autotuner is refused again and again for minutes before anything is raised,
-and a plan of the step on the same GPU would be refused the same way (its autotuner tries the step's
-GEMMs on the card). So a GPU model's step is planned on the CPU: a copy of the model (its config, its
-compile config, variables made on the CPU), compiled by XLA's CPU compiler from specs. Its program
-is XLA's CPU program of the step, not the GPU's: the figures are labelled an estimate. Measured on an
-H100 (benchmarks/plan_vs_probe.py --gpu, autotuning on and off): the CPU program needed 2-50% more than
-the GPU's for a Dense model, 11-25% more for attention, 1.9 times for a convolution, so the batch it
-names is on the safe side; the GPU's own plans equalled the measured steps (0.0007% at most). On the
-H100 (autotuner on) the GPU tests' Dense fit was told what its step needs 24.7 s after its script
-started; an attention fit at batch 16,384 got its need (160 GiB, at most batch 7,736) from 16 s of
-plans, where its cell ended after 95 s in an InternalError. ``step_need`` plans a GPU model the same
-way after its OOM was raised (a graph fit's, jit_compile=False): the refused card's limit is still
-full, and a plan there hung the report for minutes in the autotuner's refused requests (an H100, 1 GiB).
+``early_need`` plans while the cell still waits, at an XLA fit's first refusal (``oom/refusals.py``).
+A GPU model's step is planned on the CPU, from a copy of the model (its config, its compile config,
+variables made on the CPU), never on the refused card, where the plan's autotuner would be refused as the
+fit's is. The CPU program of a GPU model is an estimate, larger than the GPU's for the models tried, so
+the batch it names is on the safe side. ``step_need`` plans a GPU model the same way after its OOM.
 """
 
 from __future__ import annotations
@@ -93,9 +84,8 @@ class StepNeed:
 
 
 NEED_SECONDS = 60.0  # plans after an OOM stop after this long, with what is known by then
-# Keras' input pipeline ends in prefetch(AUTOTUNE): in lab mode (2 cores) a fit held 4 batches ahead
-# (7.99 MiB of 1.96 MiB batches, a trace at the step's peak). The fresh pool a batch is judged in holds
-# that many, besides the arrays fit was given (one tensor each, from_tensors in Keras' array adapter).
+# Keras' input pipeline ends in prefetch(AUTOTUNE), which holds batches ahead (this many in a traced fit):
+# the fresh pool a batch is judged in holds them besides the arrays fit was given (one tensor each).
 PIPELINE_BATCHES = 4
 
 
@@ -194,9 +184,8 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
         return (*fit.data_sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
 
     # An XLA step asks for its temporaries as one buffer: it fits where the pool a fresh process grows
-    # has room for it (StepPlan.fits; measured in lab mode at 160 MB: no batch from 100 to 4,096 trained,
-    # as the pool's model said, where the bytes alone said 478). A graph step asks for each tensor
-    # apart, with other kernels than XLA's: by bytes alone, the most that can fit.
+    # has room for it (StepPlan.fits). A graph step asks for each tensor apart, with other kernels
+    # than XLA's: by bytes alone, the most that can fit.
     found = largest_below(fit.model, fit.sample, failing, limit, seconds=left, held=held,
                           regions=False if failing.estimate else None, planner=plan)
     stopped = next((n for n in found.notes if n.startswith("stopped")), "")

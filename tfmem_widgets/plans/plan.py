@@ -7,9 +7,9 @@ allocation and its outputs, each as the allocator rounds it. Nothing runs and no
 ``fit`` would build before its first step (the optimizer's slots, the weights of a model not built
 yet) is built the way ``fit`` builds it, and said.
 
-Measured in lab mode (tests/test_plan.py): the step of a Dense, an attention and a convolution model
-equals the plan to the byte when the pool has a free chunk to split; in a pool that grows, the
-allocator hands out whole regions (its no-split rule), between the plan and ``worst_take_bytes``.
+The step takes the plan's bytes exactly when the pool has a free chunk to split; in a pool that grows,
+the allocator hands out whole regions (its no-split rule), between the plan and ``worst_take_bytes``
+(tests/test_plan.py checks both).
 A model compiled without XLA (``jit_compile=False``, Keras' default on a CPU) runs another program:
 its plan is the XLA program's, labelled an estimate.
 """
@@ -71,9 +71,8 @@ class StepPlan(LinesText):
     # graph function, whose equal constants TensorFlow merges: the slots of one shape and dtype (Adam's
     # momentum and velocity of each kernel, of every kernel so shaped) share one tensor, and XLA, which may
     # update a variable in place only when its buffer is its own, writes each its own buffer at the first
-    # step, after the step's own allocations (traced in lab mode: a Dense step's 66 MiB, then 2, 2, 4 and
-    # 4 MiB for the two kernels' momentums and velocities). On an H200 the same first step asked for its own
-    # allocations alone: a search sets these for plans on the CPU only (search/plan_first.py).
+    # step, after the step's own allocations. A GPU's first step was traced asking for its own allocations
+    # alone: a search sets these for plans on the CPU only (search/plan_first.py).
     shared_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -121,8 +120,7 @@ class StepPlan(LinesText):
         variables and the batch are taken first, then the step's allocations, each a whole free chunk
         where the no-split rule says so. A pool that grows (lab mode, growth on a GPU) makes regions that
         never merge; without growth the first tensor takes the whole limit as one region, and the step's
-        largest buffer takes the rest of it whole when less than 128 MiB would remain (measured on an
-        H100 under a 2000 MB logical device: the next 4-byte request found nothing). Where a search read
+        largest buffer takes the rest of it whole when less than 128 MiB would remain. Where a search read
         the fit's start in its process (fit_start, lab mode), that start replayed instead. None when a
         request finds no room: the step does not fit there although its bytes might."""
         limit = self._limit(limit_bytes)

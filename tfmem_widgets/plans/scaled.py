@@ -4,7 +4,7 @@ A step's buffers are near-linear in the batch while XLA lays the program out the
 says what XLA would plan at another batch: ``planned_by_shapes`` scales each of its buffers that has
 an axis of the batch (hlo.batch_profile), ``planned_between`` draws each allocation on the line
 through two plans. Both are for aiming a search's next compile (plans/largest.py), never reported:
-where the layout changes they miss (a Dense step on the CPU took 26% more from 4,000 to 4,100 rows).
+where the layout changes they miss.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from .plan import StepPlan
 def planned_by_shapes(planned: StepPlan, batch: int) -> StepPlan | None:
     """The plan at `batch` as one plan's own shapes say: each of its allocations at that batch by its
     batch_profile (hlo.py: the buffers with an axis of the batch scaled, the others as they are), the
-    inputs in proportion to their rows. Equal to the plan compiled there while XLA lays the program out
-    the same way (in lab mode from 509 rows: tests/test_plan.py's Dense, attention and convolution steps
-    within 0.5% at 16 to 2,048 rows); off where the layout changes (a Dense step on the CPU took 26%
-    more from 4,000 to 4,100 rows; from 31 rows another read 33% low at 1,024). For aiming only, never reported. None
-    where the plan has no profile."""
+    inputs in proportion to their rows. Near the plan compiled there while XLA lays the program out the
+    same way, off where the layout changes: for aiming only, never reported. None where the plan has no
+    profile."""
     profiles = planned.step_profiles
     if not profiles or len(profiles) != len(planned.step_allocations) or not all(profiles):
         return None

@@ -225,10 +225,9 @@ COMPILE_SCRATCH = ": scratch while compiling, before its first run)"
 
 def name_compile_scratch(events) -> bool:
     """An XLA program's allocations before its first run are its compilation's: XLA's GPU autotuner
-    tries kernels with buffers from the same allocator (hundreds of chunks, up to hundreds of MiB,
-    measured on an H100), named like the program's own. Where a planned buffer of temporaries
-    shows a program's first run, each allocation it made and gave back before is renamed so.
-    Returns whether any was."""
+    tries kernels with buffers from the same allocator, named like the program's own. Where a planned
+    buffer of temporaries shows a program's first run, each allocation it made and gave back before is
+    renamed so. Returns whether any was."""
     import numpy as np
 
     sizes = planned_program_sizes()
@@ -277,7 +276,7 @@ def _split_program(chunk, pieces: dict[str, dict[str, int]], rows) -> None:
 # -- an op's name, read the way Keras writes it ----------------------------------------------
 
 _WRAPPERS = {"StatefulPartitionedCall", "PartitionedCall", "while", "cond", "body"}
-# tf.data's ops, and the copy of a batch onto the device (measured on an H200: SameWorkerRecvDone)
+# tf.data's ops, and the copy of a batch onto a GPU (SameWorkerRecvDone)
 _PIPELINE = re.compile(r"Dataset|Iterator|GatherV2|IteratorGetNext|OptionalFromValue|OptionalGetValue|RecvDone|_Recv")
 _SUFFIX = re.compile(r"(?:_\d+)+$")
 

@@ -218,7 +218,7 @@ def report() -> MemoryReport:
     tf = tensorflow()
     started = runtime_started()
     lab = lab_setting()  # as TensorFlow read it when its runtime started, not the environment now
-    lab_limit = lab.limit_bytes if lab.limit_mb is not None or not lab.enabled else (1 << 64) - 1
+    lab_limit = lab.limit_bytes
     gpus = physical_gpus()
     devices = logical_devices(gpus)
     pid = os.getpid()

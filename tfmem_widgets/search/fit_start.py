@@ -5,10 +5,7 @@ From the variables alone it lays the weights, the slots and the batch end to end
 gets there otherwise: each weight's initializer makes and frees tensors of its size (a draw, a
 product, a sum), a tensor takes a free chunk whole under the no-split rule, and the fit's data
 passes through a copy as its iterator starts, so the pool holds other regions and holes when the
-step asks. Measured in lab mode (128 MB, the benchmark's Dense 512-1024-1024-1 model, Adam): at
-4,095 rows the step's 68 MiB buffer met regions of 2 to 32 MiB and 66 MiB left under the limit, too
-little for its region, where the variables alone gave it a region of 98 MiB; the plans said 4,095
-fits, and fresh fits failed from 3,972 rows.
+step asks: a step the variables' model lets fit can fail there.
 
 ``read_fit_start`` reads that start in a search's planning process, set up as its probes are:
 ``build_model()`` traced from the process's start (its pool is then a probe's after the same call),
@@ -16,8 +13,7 @@ and what the probe's data takes for a while as its iterator starts. ``FitStart.t
 chunk by chunk (``tf/allocator.BfcPool``): that pool, the data (on a CPU the step reads it in place
 as its batch), its iterator's copy given back, the optimizer's slots, then the step's allocations.
 The slots as fit builds them: those of one shape and dtype share one buffer until the first step, which
-writes each its own after the step's allocations (``StepPlan.shared_slots``; a convolution model under a
-256 MB lab limit failed there, on a 2.25 MiB slot after its step had taken a free chunk whole).
+writes each its own after the step's allocations (``StepPlan.shared_slots``), where a slot can find no room.
 On a GPU the data path differs (search/plan_first.data_on_device) and the variables' model stands.
 """
 

@@ -26,12 +26,12 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
     nothing measured lies within a step below it (a plan search measures only the edge), and a second
     where the first did not become the recommended batch (its peak took the margin, or it did not
     train); then the recommended batch probed again in another fresh process, so that its peaks left
-    the margin free in two, and no aim after that. A step's peak at one batch differs between processes
-    (a graph step's in lab mode: 88 to 105 MiB at 4,096 in nine; a batch recommended by one probe ran out
-    of memory in the next one). Where the second probe's peak takes the margin, or it does not train,
-    the rule recommends a lower batch, aimed at or probed again in turn. At most MARGIN_PROBES probes and
-    max_probes in all; the search's `margin_probes` counts them. A probe that fails otherwise (its
-    process died, ran past the timeout) ends this with a note: the edge found stands."""
+    the margin free in two, and no aim after that: a step's peak at one batch differs between processes,
+    and a batch that trained in one can run out of memory in the next. Where the second probe's peak takes
+    the margin, or it does not train, the rule recommends a lower batch, aimed at or probed again in turn.
+    At most MARGIN_PROBES probes and max_probes in all; the search's `margin_probes` counts them. A probe
+    that fails otherwise (its process died, ran past the timeout) ends this with a note: the edge found
+    stands."""
     aimed = 0
     for left in range(MARGIN_PROBES, 0, -1):
         batch = search.recommended
@@ -90,9 +90,8 @@ def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
     the margin, where lower (without a recommended batch, the margin below that batch). The line counts
     only above the recommended batch, and not where two batches peaked alike (chunk_bound_peaks): near the
     edge a step's buffer takes a free chunk whole (the allocator splits a chunk only where it is twice the
-    request or 128 MiB larger), so the peaks there count chunks (on an H200 under a 1000 MB limit, 51,628
-    and 54,367 rows both peaked at 992.2 MiB, and the line through them put 95% of the limit at no batch
-    at all). At most `high`; None without a margin, a limit, or a failure or a line."""
+    request or 128 MiB larger), so the peaks there count chunks, and a line through two of them can meet
+    the margin at no batch at all. At most `high`; None without a margin, a limit, or a failure or a line."""
     budget = _margin_budget(search)
     if budget is None:
         return None

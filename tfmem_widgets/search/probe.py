@@ -117,9 +117,8 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
     if wrong:
         return ProbeRefused(wrong)
     try:
-        # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the
-        # step's (measured on an H200: train_on_batch at 125,321 examples peaked at 14.89 GiB under
-        # a 16000 MB limit, fit at the same batch ran out of memory).
+        # fit, as the user trains: Keras' input pipeline holds a batch on the device next to the step's,
+        # so a batch that train_on_batch fits can run out of memory in fit.
         steps_data = probe_dataset(data, steps)
     except Exception as exc:
         return ProbeRefused(f"make_batch({batch}) returned what a tf.data.Dataset cannot hold "
@@ -154,14 +153,10 @@ REFUSED = "ended at the allocator's first refusal"
 def _end_at_first_refusal():
     """For a step that is one XLA program, in lab mode or on a GPU with XLA's autotuner off: end the
     probe's process at the allocator's first refusal (its first dump), not after TensorFlow's 10 s
-    retry. Nothing else of the step runs while the program waits, so nothing frees memory for the
-    retry: measured here, the same searches found the same edges with and without the retry (3,961 /
-    4,007 and 3,934 / 3,975), and on an H100 (autotuner off, a 2000 MB logical device) the probe search
-    found 118,382 / 120,269 with the retry in three runs and without it in two. A graph step's other
-    ops do free memory meanwhile (refused probes at 4,811 to 5,856 would have trained: its probes keep
-    the retry), and on a GPU whose autotuner is on, XLA can be refused scratch while it compiles and
-    go on with another kernel (its probes run to TensorFlow's own end). Returns the event that stops
-    the watch (None: none)."""
+    retry: nothing else of the step runs while the program waits, so nothing frees memory for the
+    retry. A graph step's other ops do free memory meanwhile (its probes keep the retry), and on a GPU
+    whose autotuner is on, XLA can be refused scratch while it compiles and go on with another kernel
+    (its probes run to TensorFlow's own end). Returns the event that stops the watch (None: none)."""
     import os
     import threading
 

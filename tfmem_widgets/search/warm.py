@@ -1,11 +1,11 @@
 """A batch search's probes, each in a process started before its batch is known.
 
-A probe's fresh process spends most of a small probe importing Python's and TensorFlow's modules
-(in lab mode here 2.6 s of a 3.5 s probe). ``WarmProbes`` keeps the next probe's process started
-ahead: it imports TensorFlow, Keras and IPython and waits, starting nothing of TensorFlow's
-runtime (no device made, no memory taken: a GPU's default limit is read when its probe begins, as
-in a cold probe, and a waiting process holds nothing on the card). When the batch is known the
-process goes on exactly as a cold probe does, from its setup on; meanwhile the next one starts.
+A probe's fresh process spends most of a small probe importing Python's and TensorFlow's modules.
+``WarmProbes`` keeps the next probe's process started ahead: it imports TensorFlow, Keras and IPython
+and waits, starting nothing of TensorFlow's runtime (no device made, no memory taken: a GPU's default
+limit is read when its probe begins, as in a cold probe, and a waiting process holds nothing on the
+card). When the batch is known the process goes on exactly as a cold probe does, from its setup on;
+meanwhile the next one starts.
 The search's plans (search/plan_first.py) run while the first one imports.
 
 Two probes can run side by side (``probe_pair``), each in a process of its own under its own limit,
@@ -40,10 +40,8 @@ from .probe import Probe, probe_outcome, ran_past
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
 # its allocator's alone). Two probes side by side need their two limits and this twice.
 BESIDES_THE_POOL = 2 << 30
-# Two TensorFlow processes share the cores. On 2 (this project's small machine, lab mode) a pair gains
-# little, where no third process imports beside it (ahead=False): the benchmark's plan search took 9.3-10.5 s
-# with its pair, 10.5-11.9 s with the two probes one after the other and one plan more (the closing plan,
-# made where no pair is; README). On 1 core they would only take turns.
+# Two TensorFlow processes share the cores: on 2 a pair still gains a little, where no third process imports
+# beside it (ahead=False); on 1 they would only take turns.
 MIN_CORES = 2
 
 WARM_CODE = """
@@ -135,6 +133,7 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
     whether the setup allows it at all, the free memory (the GPUs' and the host's) left unchecked."""
     import psutil
 
+    from ..tf.limits import setup_gpu_mb
     from ..tf.nvml import NvmlUnavailable, nvml_index_for_cuda_ordinal, read_gpus
 
     setup, env = setup or {}, env or {}
@@ -157,27 +156,25 @@ def room_for_two(setup: dict | None, env: dict | None, now: bool = True) -> str 
             return None
         return (f"each under its {setup['lab_mb']} MB lab limit, with {format_bytes(host)} of the host's "
                 "memory available")
-    limit, split = setup.get("limit_mb"), setup.get("split")
-    if limit is None and isinstance(split, (list, tuple)):
-        limit = sum(split)
-    if limit is None or (now and host < 2 * BESIDES_THE_POOL):
+    limits = {ordinal: setup_gpu_mb(setup, ordinal) for ordinal in ordinals}
+    if None in limits.values() or (now and host < 2 * BESIDES_THE_POOL):
         return None
     free = []
-    for ordinal in ordinals:
-        mb = limit.get(ordinal) if isinstance(limit, dict) else limit
+    for ordinal, mb in limits.items():
         index = nvml_index_for_cuda_ordinal(ordinal, gpus)
-        if mb is None or index is None:
+        if index is None:
             return None
         if now and gpus[index].free_bytes < 2 * ((mb << 20) + BESIDES_THE_POOL):
             return None
         free.append(f"GPU {ordinal} had {format_bytes(gpus[index].free_bytes)} free")
-    return f"each under its {_said(limit)} limit, where " + ", ".join(free)
+    return f"each under its {_said(limits, setup.get('limit_mb'))} limit, where " + ", ".join(free)
 
 
-def _said(limit) -> str:
-    if isinstance(limit, dict):
-        return ", ".join(f"GPU {k}: {v} MB" for k, v in sorted(limit.items()))
-    return f"{limit} MB"
+def _said(limits: dict, asked) -> str:
+    """The probes' limits in words: one figure where one was asked for every GPU, else GPU by GPU."""
+    if isinstance(asked, dict) or len(set(limits.values())) > 1:
+        return ", ".join(f"GPU {k}: {v} MB" for k, v in sorted(limits.items()))
+    return f"{next(iter(limits.values()))} MB"
 
 
 class WarmProbes:

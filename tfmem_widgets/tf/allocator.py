@@ -235,7 +235,7 @@ def fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
 OOM_LINE = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+).*? by allocator (\S+)")
 # The allocator's own line in its log: "... (rounded to 16777216)"
 ROUNDED_REQUEST = re.compile(r"\(rounded to (\d+)\)")
-# XLA's words: "Out of memory while trying to allocate 1.56GiB." (an H200) or "... 123 bytes"
+# XLA's words: "Out of memory while trying to allocate 1.56GiB." or "... 123 bytes"
 XLA_OOM_LINE = re.compile(r"Out of memory while trying to allocate ([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)\b")
 UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 TEXT_DUMP_REGION = "Next region of size"  # the text dump the allocator logs at an OOM, region by region

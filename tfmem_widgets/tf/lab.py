@@ -23,7 +23,7 @@ _INT_CLEAN = re.compile(r"\s*[+-]?\d+\s*")
 class LabSetting:
     """What TensorFlow makes of TF_CPU_ALLOCATOR_USE_BFC and TF_CPU_BFC_MEM_LIMIT_IN_MB.
 
-    Measured on TensorFlow 2.21 (tests/test_environment.py checks it against TensorFlow): the
+    As TensorFlow 2.21 reads them (tests/test_environment.py checks it against TensorFlow): the
     switch takes 1, 0, true or false in any case and nothing else (not ' true', 'yes', 'on');
     the limit is read as the whole number at its start ('64MB' is 64, '32.5' is 32, ' 64' and
     '+64' are 64), although TensorFlow logs that it uses its default; a limit of 0 (also '',
@@ -36,9 +36,11 @@ class LabSetting:
 
     @property
     def limit_bytes(self) -> int | None:
+        """The CPU BFC allocator's limit as TensorFlow holds it (no practical limit: 2**64 - 1); None
+        where lab mode is off."""
         if not self.enabled:
             return None
-        return None if self.limit_mb is None else self.limit_mb * MiB
+        return (1 << 64) - 1 if self.limit_mb is None else self.limit_mb * MiB
 
     @property
     def crashes(self) -> bool:
@@ -98,11 +100,5 @@ def lab_setting(env: Mapping[str, str | None] | None = None) -> LabSetting:
 
 
 def lab_limit_bytes(env: Mapping[str, str | None] | None = None) -> int | None:
-    """The CPU BFC allocator's limit if lab mode is configured, else None (see lab_setting).
-
-    With no practical limit (a negative one), this is the limit as TensorFlow holds it.
-    """
-    setting = lab_setting(env)
-    if not setting.enabled:
-        return None
-    return setting.limit_bytes if setting.limit_mb is not None else (1 << 64) - 1
+    """The CPU BFC allocator's limit if lab mode is configured, else None (LabSetting.limit_bytes)."""
+    return lab_setting(env).limit_bytes

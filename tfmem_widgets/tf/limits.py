@@ -2,8 +2,8 @@
 
 One home for "how much may this allocator hold": lab mode's limit for the CPU, a logical device's
 own limit, or TensorFlow's default for a GPU (read once its runtime has started); the card's size
-(NVML) or the host's memory as the capacity a limit is set below; and the limit a fresh process's
-setup gives, for a dump read after that process has gone.
+(NVML) or the host's memory as the capacity a limit is set below; and the limits a fresh process's
+setup gives (a dump read after that process has gone, two probes side by side).
 """
 
 from __future__ import annotations
@@ -120,15 +120,49 @@ def allocator_limit(allocator: str) -> AllocatorLimit:
     return AllocatorLimit(limit.bytes, limit.source, capacity, "card" if capacity is not None else "")
 
 
+def setup_gpu_mb(setup: Mapping | None, index: int) -> int | None:
+    """The MB a fresh process's setup() lets GPU `index` hold, its logical devices' limits together:
+    split's sizes summed, else its limit (one for every GPU, or its own); None where the setup sets none
+    (a split into a count without a limit divides the memory that process finds free).
+
+    >>> setup_gpu_mb({"split": [1024, 2048]}, 0)
+    3072
+    """
+    setup = setup or {}
+    split, limit = setup.get("split"), setup.get("limit_mb")
+    if isinstance(split, (list, tuple)):
+        return sum(split)
+    mb = limit.get(index) if isinstance(limit, Mapping) else limit
+    return mb or None
+
+
+def setup_device_mb(setup: Mapping | None, ordinal: int) -> int | None:
+    """The MB limit a fresh process's setup() gives its logical GPU `ordinal` (TensorFlow numbers the
+    logical devices GPU after GPU, over the GPUs in use); None where the setup sets none."""
+    setup = setup or {}
+    split = setup.get("split")
+    sizes = list(split) if isinstance(split, (list, tuple)) else None
+    per_gpu = len(sizes) if sizes else (split or 1)
+    position, part = divmod(ordinal, per_gpu)
+    in_use = setup.get("gpus")
+    if in_use is not None:
+        in_use = sorted(in_use)
+        if position >= len(in_use):
+            return None
+    index = position if in_use is None else in_use[position]
+    if sizes:
+        return sizes[part]
+    mb = setup_gpu_mb(setup, index)
+    return None if mb is None else mb // per_gpu
+
+
 def setup_limit(setup: Mapping | None, allocator: str) -> tuple[int | None, str]:
     """The limit a setup() of a fresh process gave an allocator (a dump does not carry it)."""
     setup = setup or {}
     if allocator == LAB_ALLOCATOR_NAME and setup.get("lab_mb"):
         return setup["lab_mb"] * MiB, "lab mode"
     ordinal = gpu_ordinal(allocator)
-    limit = setup.get("limit_mb")
-    if ordinal is not None and limit is not None and not setup.get("split"):
-        mb = limit.get(ordinal) if isinstance(limit, Mapping) else limit
-        if mb:
-            return mb * MiB, "logical device limit"
+    mb = None if ordinal is None else setup_device_mb(setup, ordinal)
+    if mb:
+        return mb * MiB, "logical device limit"
     return None, "unknown"

@@ -41,10 +41,10 @@ def runtime_started() -> bool:
 
 # -- what TensorFlow read when its runtime started ---------------------------------------------
 #
-# TensorFlow reads the setup variables once, when its eager context is created (measured: a
-# lab limit changed after tf.config.list_logical_devices() and before the first tensor has no
-# effect). Figures about what is in force must come from that moment, not from the environment
-# now, which the user may have changed since. The moment is caught by wrapping
+# TensorFlow reads the setup variables once, when its eager context is created (a lab limit
+# changed after tf.config.list_logical_devices() and before the first tensor has no effect).
+# Figures about what is in force must come from that moment, not from the environment now,
+# which the user may have changed since. The moment is caught by wrapping
 # Context.ensure_initialized as soon as TensorFlow's context module exists.
 
 _read_at_start: dict[str, str | None] | None = None
@@ -113,8 +113,8 @@ _onednn_known = False
 
 
 def _remember_import_env() -> None:
-    """TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, while it is imported (measured: set after
-    the import it changes nothing): remember the value it saw."""
+    """TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, while it is imported (set after the import it
+    changes nothing): remember the value it saw."""
     global _onednn_at_import, _onednn_known
     if not _onednn_known:
         _onednn_at_import, _onednn_known = os.environ.get(ONEDNN_ENV), True

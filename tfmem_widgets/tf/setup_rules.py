@@ -28,9 +28,8 @@ from .options import (
 )
 from .system_reserve import system_reserve
 
-# Dividing a GPU "by count" must leave room for the CUDA context, which TensorFlow's
-# default limit does not see (it reads free memory after creating it): measured 529 MiB
-# on an H200; 1 GiB leaves a margin.
+# Dividing a GPU "by count" must leave room for the CUDA context, which TensorFlow's default limit
+# does not see (it reads free memory after creating it): 1 GiB, more than the context took on the cards tried.
 CUDA_CONTEXT_ALLOWANCE = 1 << 30
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ..tf.messages import FUNCTION
 from .lines import NOT_ACTIVITIES as NOT_ACTIVITIES  # the names of what is no activity, read here too
 
-# CPU: CpuExecutable::ExecuteAsyncOnStream; GPU (measured on an H200): "Build buffer allocations"
+# The activities an XLA program runs in: CpuExecutable::ExecuteAsyncOnStream on a CPU, "Build buffer allocations" on a GPU
 _XLA_MARKER = re.compile(r"Executable::Execute|ExecuteAsyncOnStream|Build buffer allocations|XlaLaunch|XlaRun|PjRt")
 
 

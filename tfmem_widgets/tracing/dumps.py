@@ -88,6 +88,29 @@ def parse_bfc_dump(text: str) -> AllocatorMap:
     header = text
     if len(starts) > 1:
         header, text = text[: starts[-1]], text[starts[-1]:]
+    regions, chunks = _regions_and_chunks(text)
+    wrong = _cross_check(chunks, regions, text)
+    if wrong:
+        raise TraceDataError(f"allocator dump does not add up ({wrong[0]}): lines are missing or changed; "
+                             "paste the whole dump.")
+    stated = bool(_BIN_LINE.search(text) or _SUM_IN_USE.search(text) or _POOL.search(text))
+    name = _NAME.search(text)
+    failed = list(_FAILED.finditer(header))
+    failed = failed[-1] if failed else None
+    return AllocatorMap(
+        allocator=name.group(1) if name else "unknown allocator",
+        chunks=tuple(sorted(chunks, key=lambda c: c.address)),
+        regions=tuple(sorted(regions, key=lambda r: r.address)),
+        source="text dump",
+        limit_bytes=_stated_limit(text),
+        failed_request_bytes=int(failed.group(1)) if failed else None,
+        notes=() if stated else ("the text states no totals (bins, sums, pool): the chunks were not cross-checked",),
+    )
+
+
+def _regions_and_chunks(text: str) -> tuple[list[Region], list[Chunk]]:
+    """The dump's regions and their chunks, line by line; raises where a line is missing (a region
+    not filled by its chunks, a chunk not where the one before it ends)."""
     regions: list[Region] = []
     chunks: list[Chunk] = []
     expected_next = None
@@ -133,29 +156,18 @@ def parse_bfc_dump(text: str) -> AllocatorMap:
         )
     if expected_next is None or expected_next != region_end:
         raise TraceDataError("allocator dump is missing lines at its end: the last region is not filled by its chunks.")
-    wrong = _cross_check(chunks, regions, text)
-    if wrong:
-        raise TraceDataError(f"allocator dump does not add up ({wrong[0]}): lines are missing or changed; "
-                             "paste the whole dump.")
-    stated = bool(_BIN_LINE.search(text) or _SUM_IN_USE.search(text) or _POOL.search(text))
-    name = _NAME.search(text)
-    failed = list(_FAILED.finditer(header))
-    failed = failed[-1] if failed else None
+    return regions, chunks
+
+
+def _stated_limit(text: str) -> int | None:
+    """The allocator's limit as the dump states it: its 'Limit:' line, else the pool's memory_limit_."""
     limit = _LIMIT.search(text)
-    limit_bytes = int(limit.group(1)) if limit else None
-    if limit_bytes is None:
-        pool = _LIMIT_FROM_POOL.search(text)
-        if pool and pool.group(2) in _UNITS:
-            limit_bytes = round(float(pool.group(1)) * _UNITS[pool.group(2)])
-    return AllocatorMap(
-        allocator=name.group(1) if name else "unknown allocator",
-        chunks=tuple(sorted(chunks, key=lambda c: c.address)),
-        regions=tuple(sorted(regions, key=lambda r: r.address)),
-        source="text dump",
-        limit_bytes=limit_bytes,
-        failed_request_bytes=int(failed.group(1)) if failed else None,
-        notes=() if stated else ("the text states no totals (bins, sums, pool): the chunks were not cross-checked",),
-    )
+    if limit:
+        return int(limit.group(1))
+    pool = _LIMIT_FROM_POOL.search(text)
+    if pool and pool.group(2) in _UNITS:
+        return round(float(pool.group(1)) * _UNITS[pool.group(2)])
+    return None
 
 
 def load_memory_dump(path: str | Path) -> AllocatorMap:

@@ -82,6 +82,31 @@ def read_memory_columns(data: bytes | None, source: str):
     space = parse_message(_lean_xspace_class()(), source, "profiler trace", data)
     if not space.planes:
         raise TraceDataError(f"{source} holds no profiler planes: not a TensorFlow profiler trace.")
+    intern = _interner()
+    texts = intern.texts
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    lines = []  # each line's activities, by the number memory events carry
+    try:
+        for plane in space.planes:
+            read = _plane_info(plane)
+            if read is None:
+                continue
+            info, activity_names = read
+            first_line = len(lines)
+            spans = _decode_lines(plane.lines, first_line, info, intern, parts)
+            lines += [_line_activities(spans.get(number, []), activity_names)
+                      for number in range(first_line, first_line + len(plane.lines))]
+        columns = {
+            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+            for allocator, pieces in ((k, v) for k, v in parts.items())
+        }
+    except ValueError as exc:
+        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
+    return columns, texts, intern, lines
+
+
+def _interner():
+    """A function that gives each text its index in intern.texts ('' is 0), adding a new one."""
     texts = [""]
     text_index = {"": 0}
 
@@ -93,65 +118,63 @@ def read_memory_columns(data: bytes | None, source: str):
         return index
 
     intern.texts = texts  # attribution reads a text back by its index
-    parts: dict[str, list[dict[str, np.ndarray]]] = {}
-    lines = []  # each line's activities, by the number memory events carry
-    try:
-        for plane in space.planes:
-            # One pass over the event metadata (a plane has hundreds): memory events and activities.
-            kinds, activity_names = {}, {}
-            event_names = {entry.key: entry.value.name for entry in plane.event_metadata}  # (the last of an id, as a map)
-            for mid, name in event_names.items():
-                if name in EVENT_KINDS:
-                    kinds[mid] = EVENT_KINDS[name]
-                if not name.startswith(NOT_ACTIVITIES):
-                    activity_names[mid] = name
-            if not kinds:
-                continue
-            stat_names = {entry.key: entry.value.name for entry in plane.stat_metadata}
-            memory_ids = np.array(sorted(kinds), dtype=np.uint64)
-            activity_ids = np.array(sorted(activity_names), dtype=np.uint64)
-            plane_info = _PlaneInfo(
-                memory_ids=memory_ids,
-                kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
-                slot_table=(slot_table := _slot_table({mid: SLOTS[name] for mid, name in stat_names.items()
-                                                       if name in SLOTS})),
-                stat_names=stat_names,
-                activity_ids=activity_ids,
-                ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
-                unused_ids=np.isin(np.arange(256), np.flatnonzero(slot_table[:0x80] < 0)),
-                slot_of_byte=np.concatenate([slot_table[:256], np.full(max(0, 256 - len(slot_table)), -1, np.int8)]),
-                kind_table=_id_table(kinds),
-                activity_table=_id_table(dict.fromkeys(activity_names, 1)),
-            )
-            # Short lines are joined into one batch (a trace has dozens of lines of a few events: one
-            # batch each would cost more than their events), up to _JOIN_EVENTS events; a longer line
-            # is a batch of its own, cut into batches of _CHUNK_EVENTS.
-            first_line = len(lines)
-            spans = {}  # line number -> its activities, a batch at a time
+    return intern
+
+
+def _plane_info(plane):
+    """What decoding a plane's events needs from its metadata, and {metadata id: name} of its
+    activities; None for a plane without memory events."""
+    # One pass over the event metadata (a plane has hundreds): memory events and activities.
+    kinds, activity_names = {}, {}
+    event_names = {entry.key: entry.value.name for entry in plane.event_metadata}  # (the last of an id, as a map)
+    for mid, name in event_names.items():
+        if name in EVENT_KINDS:
+            kinds[mid] = EVENT_KINDS[name]
+        if not name.startswith(NOT_ACTIVITIES):
+            activity_names[mid] = name
+    if not kinds:
+        return None
+    stat_names = {entry.key: entry.value.name for entry in plane.stat_metadata}
+    memory_ids = np.array(sorted(kinds), dtype=np.uint64)
+    slot_table = _slot_table({mid: SLOTS[name] for mid, name in stat_names.items() if name in SLOTS})
+    info = _PlaneInfo(
+        memory_ids=memory_ids,
+        kind_of_id=np.array([kinds[int(i)] for i in memory_ids], dtype=np.int8),
+        slot_table=slot_table,
+        stat_names=stat_names,
+        activity_ids=np.array(sorted(activity_names), dtype=np.uint64),
+        ref_texts=np.full(max(stat_names, default=0) + 1, -1, dtype=np.int64),
+        unused_ids=np.isin(np.arange(256), np.flatnonzero(slot_table[:0x80] < 0)),
+        slot_of_byte=np.concatenate([slot_table[:256], np.full(max(0, 256 - len(slot_table)), -1, np.int8)]),
+        kind_table=_id_table(kinds),
+        activity_table=_id_table(dict.fromkeys(activity_names, 1)),
+    )
+    return info, activity_names
+
+
+def _decode_lines(plane_lines, first_line, info, intern, parts) -> dict:
+    """A plane's lines decoded a batch at a time (their memory events into parts); returns each line's
+    activities by its number, counted from first_line."""
+    # Short lines are joined into one batch (a trace has dozens of lines of a few events: one
+    # batch each would cost more than their events), up to _JOIN_EVENTS events; a longer line
+    # is a batch of its own, cut into batches of _CHUNK_EVENTS.
+    spans = {}  # line number -> its activities, a batch at a time
+    pending, pending_events = [], 0
+    for number, line in enumerate(plane_lines, first_line):
+        events = line.events
+        if pending and pending_events + len(events) > _JOIN_EVENTS:
+            _decode_batch(pending, info, intern, parts, spans)
             pending, pending_events = [], 0
-            for number, line in enumerate(plane.lines, first_line):
-                events = line.events
-                if pending and pending_events + len(events) > _JOIN_EVENTS:
-                    _decode_batch(pending, plane_info, intern, parts, spans)
-                    pending, pending_events = [], 0
-                if len(events) <= _JOIN_EVENTS:
-                    pending.append((number, line.timestamp_ns, events))
-                    pending_events += len(events)
-                    continue
-                for first in range(0, len(events), _CHUNK_EVENTS):
-                    batch = events[first:first + _CHUNK_EVENTS]
-                    _decode_batch([(number, line.timestamp_ns, batch)], plane_info, intern, parts, spans)
-            if pending:
-                _decode_batch(pending, plane_info, intern, parts, spans)
-            for number in range(first_line, first_line + len(plane.lines)):
-                lines.append(_line_activities(spans.get(number, []), activity_names))
-        columns = {
-            texts[allocator]: {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
-            for allocator, pieces in ((k, v) for k, v in parts.items())
-        }
-    except ValueError as exc:
-        raise TraceDataError(f"{source} has a damaged event ({exc}).") from None
-    return columns, texts, intern, lines
+        if len(events) <= _JOIN_EVENTS:
+            pending.append((number, line.timestamp_ns, events))
+            pending_events += len(events)
+            continue
+        for first in range(0, len(events), _CHUNK_EVENTS):
+            batch = events[first:first + _CHUNK_EVENTS]
+            _decode_batch([(number, line.timestamp_ns, batch)], info, intern, parts, spans)
+    if pending:
+        _decode_batch(pending, info, intern, parts, spans)
+    return spans
 
 
 class _PlaneInfo(NamedTuple):
@@ -224,6 +247,39 @@ def _decode_batch(pieces, info, intern, parts, spans) -> None:
     """Memory events of a batch of events into parts, their activities onto spans (by line number).
     pieces: (line number, the line's timestamp_ns, events) of the lines, or the part of a long line,
     the batch holds, in order."""
+    buf, starts, ends, lengths, bounds = _joined(pieces)
+    # An event's metadata id is its first field when it is set: memory events are those.
+    has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
+    try:
+        meta, offset, duration, after = _ids_and_times(buf, starts, ends, has_id, info)
+        is_memory = has_id & _is_memory(info, meta)  # (by the ids read here, as a memory event's are)
+    except ValueError:
+        if len(pieces) == 1:
+            raise
+        # A damaged event: the lines one at a time, so that the error is the first one line by line.
+        for piece in pieces:
+            _decode_batch([piece], info, intern, parts, spans)
+        return
+    if len(info.activity_ids):
+        _add_activities(pieces, bounds, info, meta, offset, duration, spans)
+    chosen = np.nonzero(is_memory)[0]
+    del is_memory
+    if not len(chosen):
+        return
+    if info.kind_table is None:
+        kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
+    else:
+        kind = _looked_up(info.kind_table, meta[chosen])
+    # Only the memory events' own fields are kept while their stats are decoded.
+    cuts = np.searchsorted(chosen, bounds).tolist()
+    starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
+    del meta, duration, lengths, has_id, chosen
+    _decode_memory(pieces, cuts, buf, starts, ends, offset, after, kind, info, intern, parts)
+
+
+def _joined(pieces):
+    """A batch's events joined into one buffer: the buffer, each event's start, end and length in it,
+    and where each piece's events begin and end among the batch's events."""
     # Padding past the end of each piece lets a damaged varint be read without an index error
     # (and reads the same past a line's end as when the line is a batch of its own).
     if len(pieces) == 1:
@@ -238,7 +294,7 @@ def _decode_batch(pieces, info, intern, parts, spans) -> None:
     del batch
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    # Where each piece's events begin and end among the batch's events (the paddings left out).
+    # The paddings left out of the events.
     counts = [len(events) for _, _, events in pieces]
     bounds = np.cumsum([0] + counts).tolist()
     if len(pieces) == 1:
@@ -247,51 +303,44 @@ def _decode_batch(pieces, info, intern, parts, spans) -> None:
         is_event = np.ones(len(lengths), dtype=bool)
         is_event[np.cumsum(counts) + np.arange(len(pieces))] = False
         lengths, starts, ends = lengths[is_event], starts[is_event], ends[is_event]
-    # An event's metadata id is its first field when it is set: memory events are those.
-    has_id = (lengths > 0) & (buf[starts] == (_EVENT_METADATA_ID << 3 | _WIRE_VARINT))
-    try:
-        meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
-        is_memory = has_id & _is_memory(info, meta)  # (by the ids read here, as a memory event's are)
-        # Activities: events with a duration and an activity's metadata id; those without their id
-        # first, or laid out otherwise, read field by field.
-        if len(info.activity_ids):
-            odd = odd[~has_id[odd] | _is_activity(info, meta[odd])]
-            if len(odd):
-                meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
-                for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
-                    varint = wire == _WIRE_VARINT
-                    for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
-                                           (_EVENT_DURATION_PS, duration)):
-                        pick = varint & (field == number)
-                        column[odd[alive[pick]]] = value[pick]
-    except ValueError:
-        if len(pieces) == 1:
-            raise
-        # A damaged event: the lines one at a time, so that the error is the first one line by line.
-        for piece in pieces:
-            _decode_batch([piece], info, intern, parts, spans)
-        return
+    return buf, starts, ends, lengths, bounds
+
+
+def _ids_and_times(buf, starts, ends, has_id, info):
+    """Each event's metadata id, offset and duration (ps), and where its fields after them begin.
+    Raises ValueError at a damaged event."""
+    meta, offset, duration, after, odd = _leading_fields(buf, starts, ends)
+    # Activities: events with a duration and an activity's metadata id; those without their id
+    # first, or laid out otherwise, read field by field.
     if len(info.activity_ids):
-        keep = np.nonzero((duration > 0) & _is_activity(info, meta))[0]
-        cuts = np.searchsorted(keep, bounds).tolist()
-        for (line_number, timestamp_ns, _), low, high in zip(pieces, cuts, cuts[1:]):
-            if high > low:
-                mine = keep[low:high]
-                begin = int(timestamp_ns) * 1000 + offset[mine].astype(np.int64)
-                spans.setdefault(line_number, []).append(
-                    (begin, begin + duration[mine].astype(np.int64), meta[mine].astype(np.int64)))
-    chosen = np.nonzero(is_memory)[0]
-    del is_memory
-    if not len(chosen):
-        return
-    if info.kind_table is None:
-        kind = info.kind_of_id[np.searchsorted(info.memory_ids, meta[chosen])]
-    else:
-        kind = _looked_up(info.kind_table, meta[chosen])
-    # Only the memory events' own fields are kept while their stats are decoded.
-    cuts = np.searchsorted(chosen, bounds).tolist()
-    starts, ends, offset, after = starts[chosen], ends[chosen], offset[chosen], after[chosen]
-    del meta, duration, lengths, has_id, chosen
+        odd = odd[~has_id[odd] | _is_activity(info, meta[odd])]
+        if len(odd):
+            meta, offset, duration = meta.copy(), offset.copy(), duration.copy()
+            for alive, field, wire, _pos, value, _size in _fields(buf, starts[odd], ends[odd]):
+                varint = wire == _WIRE_VARINT
+                for number, column in ((_EVENT_METADATA_ID, meta), (_EVENT_OFFSET_PS, offset),
+                                       (_EVENT_DURATION_PS, duration)):
+                    pick = varint & (field == number)
+                    column[odd[alive[pick]]] = value[pick]
+    return meta, offset, duration, after
+
+
+def _add_activities(pieces, bounds, info, meta, offset, duration, spans) -> None:
+    """The batch's activities (events with a duration and an activity's id) onto spans, by line number:
+    (begins ps, ends ps, metadata ids)."""
+    keep = np.nonzero((duration > 0) & _is_activity(info, meta))[0]
+    cuts = np.searchsorted(keep, bounds).tolist()
+    for (line_number, timestamp_ns, _), low, high in zip(pieces, cuts, cuts[1:]):
+        if high > low:
+            mine = keep[low:high]
+            begin = int(timestamp_ns) * 1000 + offset[mine].astype(np.int64)
+            spans.setdefault(line_number, []).append(
+                (begin, begin + duration[mine].astype(np.int64), meta[mine].astype(np.int64)))
+
+
+def _decode_memory(pieces, cuts, buf, starts, ends, offset, after, kind, info, intern, parts) -> None:
+    """A batch's memory events (their fields picked out of the batch) decoded into parts, in groups;
+    cuts: where each piece's events begin among them."""
     # A dozen arrays per stat live while a group is decoded: small groups keep that memory small
     # next to the trace itself. Groups grow with the events decoded so far (a sixteenth of them), so
     # that a long trace is not decoded a thousand events at a time.

@@ -2,10 +2,8 @@
 
 Allocator events are host events (TraceMe at level 2 on the /host:CPU plane, a GPU's
 allocator included), so both run the profiler with the host tracer alone, at level 2: no device
-tracer (CUPTI on a GPU) and no Python tracer. Measured in lab mode (a Keras fit of 32 steps): level 1
-records no allocator event; level 2 all 3,680 with 23,028 other events; level 3 the same allocator
-events with 36,036 others. About 15,000 of the others at every level are the thread pool's listener,
-which the host tracer's level does not turn off.
+tracer (CUPTI on a GPU) and no Python tracer. Level 1 records no allocator event; level 3 records the
+same ones as level 2 with more other events.
 
 TensorFlow 2.21 ignores the options as tf.profiler.experimental.ProfilerOptions passes them: its
 wrapper reads each value of the options' dict as a bool first, and pybind11 turns any number into one,

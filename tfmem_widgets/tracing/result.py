@@ -63,8 +63,7 @@ class Trace:
     def _plan_programs(self) -> None:
         """Once: the XLA programs of the fits the block ran, planned (``plans/plan.py``) so that
         their buffers of temporaries are read by layer and phase (readings/layers.py). A plan compiles the
-        step again (about a second in lab mode, 5-35 s on an H100); a model gone, or one whose step
-        runs as a graph, is not planned."""
+        step again; a model gone, or one whose step runs as a graph, is not planned."""
         if getattr(self, "_programs_planned", False):
             return
         from ..plans.plan import plan

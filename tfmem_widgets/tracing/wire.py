@@ -1,10 +1,9 @@
 """Bulk decoding of the profiler's memory events, with numpy instead of one object per field.
 
-A long trace holds millions of profiler events and a dozen figures on each memory event;
-reading them one protobuf object at a time costs about 15 microseconds an event. Here the
-protobuf wire format of the events lines.py leaves as raw bytes is decoded for all memory
-events at once, field by field, as numpy arrays. The plain decoder in the tests
-(xspace_reference.py) gives the same columns.
+A long trace holds millions of profiler events and a dozen figures on each memory event, too many
+to read one protobuf object at a time. Here the protobuf wire format of the events lines.py leaves
+as raw bytes is decoded for all memory events at once, field by field, as numpy arrays. The plain
+decoder in the tests (xspace_reference.py) gives the same columns.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The memory map is the TensorFlow counterpart of PyTorch memory_viz's views: time
 number) across, address up, each chunk a rectangle coloured by the op that made it, free
 holes left blank, regions outlined. Regions far apart in the address space are stacked
 next to each other. Past a few thousand chunks the map is drawn as an image, each pixel
-showing the op that holds most of it, so 100,000 chunks draw as fast as 100.
+showing the op that holds most of it: one image, however many chunks.
 """
 
 from __future__ import annotations

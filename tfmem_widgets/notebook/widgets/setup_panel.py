@@ -39,10 +39,32 @@ class SetupPanel(FullTextForm, w.VBox):
         self.add_class("tfmem-setup-panel")
         self._own_state = state is None  # this process's: read again once its runtime starts
         self.state = current_state() if state is None else state
-        gpus = self.state.gpus
-        totals = [m.total_bytes // MiB for m in self.state.gpu_memory.values() if m is not None]
-        self._limit_max = min(totals) if totals else 1
         style = {"description_width": "130px"}
+        self._device_controls(style)
+        self._lab_controls(style)
+        self.message = w.HTML()
+        self.message.add_class("tfmem-setup-message")
+        self.code = w.HTML()
+        self.apply_button = w.Button(description="Apply", button_style="primary", icon="check")
+        self.result = w.HTML()
+        self.note = w.HTML(self._machine_note())
+        self._fit_controls(style)
+        self._limit_row = w.HBox([self.use_limit, self.limit])
+        self._lab_row = w.HBox([self.lab, self.lab_mb])
+        self._search = None
+        self._layout()
+        self._connect()
+        self._changed()
+        if search is not None:
+            self.search = search
+        if self._own_state:
+            _live.add(self)
+
+    def _device_controls(self, style: dict) -> None:
+        """The GPU choices: which GPUs, growth, a limit, logical devices, the allocator (off without a GPU)."""
+        gpus = self.state.gpus
+        totals = self._card_sizes_mb()
+        self._limit_max = min(totals) if totals else 1
         no_gpu = not gpus
         self.gpus = w.SelectMultiple(
             options=[(f"GPU {g.index} {g.device_name}".strip(), g.index) for g in gpus],
@@ -65,28 +87,35 @@ class SetupPanel(FullTextForm, w.VBox):
                             disabled=no_gpu, style=style)
         self.allocator = w.Dropdown(options=[_AS_IS, "bfc", "cuda_malloc_async"], value=_AS_IS,
                                     description="allocator", disabled=no_gpu, style=style)
+
+    def _card_sizes_mb(self) -> list[int]:
+        """Each GPU's size (MB) where the driver gave one: what a limit is bounded by."""
+        return [m.total_bytes // MiB for m in self.state.gpu_memory.values() if m is not None]
+
+    def _lab_controls(self, style: dict) -> None:
+        """Lab mode and its limit, as the environment has them (on where no GPU is visible)."""
         host_mb = self.state.host_total_bytes // MiB
         lab_now = lab_limit_bytes(self.state.env)
-        self.lab = w.Checkbox(description="lab mode", value=no_gpu or lab_now is not None, indent=False,
-                              layout=whole, tooltip="the CPU's allocator becomes TensorFlow's BFC allocator, with "
-                                                    "the limit beside: real OOMs and fragmentation without a GPU")
+        self.lab = w.Checkbox(description="lab mode", value=not self.state.gpus or lab_now is not None, indent=False,
+                              layout=w.Layout(width="auto"),
+                              tooltip="the CPU's allocator becomes TensorFlow's BFC allocator, with "
+                                      "the limit beside: real OOMs and fragmentation without a GPU")
         self.lab_mb = w.IntSlider(value=min(lab_now // MiB if lab_now else DEFAULT_LAB_MB, host_mb), min=16,
                                   max=host_mb, step=16,
                                   description="lab limit (MB)", style=style, layout=w.Layout(width="480px"),
                                   continuous_update=False)  # checked and redrawn where the drag ends
-        self.message = w.HTML()
-        self.message.add_class("tfmem-setup-message")
-        self.code = w.HTML()
-        self.apply_button = w.Button(description="Apply", button_style="primary", icon="check")
-        self.result = w.HTML()
-        notes = []
-        if no_gpu:
-            notes.append("No GPU is visible to TensorFlow here: the GPU choices are off; lab mode runs "
-                         "TensorFlow's own BFC allocator on the CPU.")
-        elif not totals:
-            notes.append(f"The limit cannot be bounded by the card's size: {escape(self.state.nvml_note or '')}")
-        self.note = w.HTML("<br>".join(notes))
-        # What fits, from a batch search: beside the limit it reads.
+
+    def _machine_note(self) -> str:
+        """Why choices are off on this machine (no GPU, no card size to bound the limit); '' where none is."""
+        if not self.state.gpus:
+            return ("No GPU is visible to TensorFlow here: the GPU choices are off; lab mode runs "
+                    "TensorFlow's own BFC allocator on the CPU.")
+        if not self._card_sizes_mb():
+            return f"The limit cannot be bounded by the card's size: {escape(self.state.nvml_note or '')}"
+        return ""
+
+    def _fit_controls(self, style: dict) -> None:
+        """What fits, from a batch search: beside the limit it reads."""
         self.fits = w.HTML()
         self.fits.add_class("tfmem-fits")
         self.batch = w.BoundedIntText(value=1, min=1, max=1 << 40, description="batch", style=style,
@@ -97,22 +126,16 @@ class SetupPanel(FullTextForm, w.VBox):
         self.picture = w.Image(format="png", layout=w.Layout(width="560px"))
         self.fit_box = w.VBox([self.fits, w.HBox([self.batch, self.use_needed]), self.needs, self.picture])
         self.fit_box.add_class("tfmem-fit-box")
-        self._limit_row = w.HBox([self.use_limit, self.limit])
-        self._lab_row = w.HBox([self.lab, self.lab_mb])
-        self._search = None
-        self._layout()
+
+    def _connect(self) -> None:
+        """Every choice re-checked as it changes; the limit read and the batch typed redraw what fits."""
         for control in (self.gpus, self.growth, self.force_growth, self.use_limit, self.limit, self.split,
                         self.allocator, self.lab, self.lab_mb):
             control.observe(self._changed, names="value")
-        for control in (self.limit, self.lab_mb, self.batch):  # the limit read and the batch typed
+        for control in (self.limit, self.lab_mb, self.batch):
             control.observe(self._fits_changed, names="value")
         self.apply_button.on_click(lambda _: self.apply())
         self.use_needed.on_click(lambda _: self.set_needed_limit())
-        self._changed()
-        if search is not None:
-            self.search = search
-        if self._own_state:
-            _live.add(self)
 
     def _layout(self) -> None:
         rows = [w.HTML("<b>TensorFlow device setup</b>"), self.note, self.gpus, self.growth, self.force_growth,

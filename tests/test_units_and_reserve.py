@@ -1,6 +1,6 @@
 from tfmem_widgets.tf.limits import setup_device_mb, setup_gpu_mb, setup_limit
 from tfmem_widgets.tf.nvml import GpuMemory, nvml_index_for_cuda_ordinal
-from tfmem_widgets.tf.system_reserve import system_reserve
+from tfmem_widgets.tf.system_reserve import reserve_behind_limit, system_reserve
 from tfmem_widgets.units import GiB, MiB, format_bytes, format_exact
 
 
@@ -25,6 +25,13 @@ def test_reserve_when_little_is_free_and_when_set_by_environment():
     reserve, why = system_reserve(100 * GiB, 9, env={"TF_DEVICE_MIN_SYS_MEMORY_IN_MB": "500"})
     assert reserve == 500 * MiB and "TF_DEVICE_MIN_SYS_MEMORY_IN_MB" in why
     assert system_reserve(100 * GiB, None, env={})[0] is None
+
+
+def test_the_reserve_read_back_from_a_default_limit():
+    # free = limit + reserve: a limit under 2 GiB - 225 MiB came from a free figure under 2 GiB
+    assert reserve_behind_limit(2 * GiB - 226 * MiB, 9, env={})[0] == 225 * MiB
+    assert reserve_behind_limit(2 * GiB - 225 * MiB, 9, env={})[0] == 1800 * MiB
+    assert reserve_behind_limit(140 * GiB, 8, env={})[0] == 1536 * MiB
 
 
 def _gpus(n):

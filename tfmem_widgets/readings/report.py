@@ -20,8 +20,8 @@ from ..tf.lab import lab_setting
 from ..tf.limits import device_limit
 from ..tf.nvml import driver_view
 from ..tf.runtime import runtime_started, setup_env_changed, tensorflow
-from ..tf.system_reserve import system_reserve
-from ..units import MiB, format_bytes
+from ..tf.system_reserve import reserve_behind_limit
+from ..units import format_bytes
 from .allocator import process_peak, read_allocator
 
 
@@ -180,9 +180,7 @@ def _gap(gpu: PhysicalGpu, memory: nvml.GpuMemory | None, limit: int | None, pid
     if gpu.logical_limits_mb is not None:
         return (GapItem(gap, f"left out by the limits set ({sum(gpu.logical_limits_mb)} MB in logical devices)"),)
     cc_major = gpu.compute_capability[0] if gpu.compute_capability else None
-    # TensorFlow's default: free memory when it created the device, minus the reserve; the
-    # low-memory reserve (225 MiB) applies exactly when that free figure was under 2 GiB.
-    reserve, why = system_reserve(limit + 225 * MiB, cc_major)
+    reserve, why = reserve_behind_limit(limit, cc_major)  # TensorFlow's default: free when it made the device - reserve
     if reserve is None or reserve > gap:
         return (GapItem(gap, "not given to TensorFlow (reserve unknown)"),)
     items = [GapItem(reserve, why)]

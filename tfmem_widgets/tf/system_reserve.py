@@ -41,3 +41,10 @@ def system_reserve(
     else:
         reserve_mb = _RESERVE_MB_NEWEST
     return reserve_mb * MiB, f"system reserve for compute capability {cc_major} ({reserve_mb} MiB)"
+
+
+def reserve_behind_limit(limit_bytes: int, cc_major: int | None, env: Mapping[str, str] | None = None
+                         ) -> tuple[int | None, str]:
+    """system_reserve read back from a default limit (free - reserve): the low-memory reserve applies
+    exactly when the free figure it was taken from, limit + that reserve, was under 2 GiB."""
+    return system_reserve(limit_bytes + _RESERVE_MB_LOW_MEMORY * MiB, cc_major, env)

@@ -270,8 +270,10 @@ def test_ctrl_c_during_a_probe_ends_the_probe_and_the_next_waiting_process():
     assert not _children()
 
 
-def test_a_waiting_process_ends_by_itself_when_the_process_that_started_it_is_gone(tmp_path):
-    # A parent that starts a waiting probe process and dies without closing it (a killed kernel).
+@pytest.mark.parametrize("parent_lives_s", [0.3, 5])
+def test_a_waiting_process_ends_by_itself_when_the_process_that_started_it_is_gone(tmp_path, parent_lives_s):
+    # A parent that starts a waiting probe process and dies without closing it (a killed kernel): while the
+    # child still imports TensorFlow (0.3 s), or once it waits (5 s, on a quiet machine).
     pid_file = tmp_path / "pid"
     parent = textwrap.dedent(f"""
         import os, time
@@ -283,7 +285,7 @@ def test_a_waiting_process_ends_by_itself_when_the_process_that_started_it_is_go
         while waiting.process is None:
             time.sleep(0.05)
         Path({str(pid_file)!r}).write_text(str(waiting.process.pid))
-        time.sleep(5)  # the child imports TensorFlow and waits
+        time.sleep({parent_lives_s})
         os._exit(0)
     """)
     subprocess.run([sys.executable, "-c", parent], check=True, timeout=120,

@@ -5,6 +5,7 @@ with a refusal of what would come back wrong (a TensorFlow object, a class the c
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ from ..errors import FreshRunError
 
 
 def write_job(work_dir: Path, code: str, setup: dict | None, returns: list[str], start_when: str | None = None) -> None:
-    """start_when: a file whose appearance starts the job (the child imports what it needs, then waits)."""
+    """start_when: a file whose appearance starts the job (the child imports what it needs, then waits while
+    this process, its parent, lives)."""
     # By pickle: the setup's values arrive as they were checked ({0: 4096} keeps its int key).
     (work_dir / "job.pickle").write_bytes(pickle.dumps({"code": code, "setup": setup, "returns": list(returns),
-                                                        "start_when": start_when}))
+                                                        "start_when": start_when, "parent": os.getpid()}))
 
 
 def read_job(work_dir: Path) -> dict:

@@ -22,7 +22,7 @@ def main(work: str) -> int:
     if prefix and Path(prefix).parent == work_dir:  # the call's own folder: its dumps go with it
         dump_place.claim(prefix, dump_place.FRESH_CALL)
 
-    if job.get("start_when") is not None and not wait_warm(Path(job["start_when"]), job["setup"]):
+    if job.get("start_when") is not None and not wait_warm(Path(job["start_when"]), job["setup"], job["parent"]):
         return 3  # the process that started this one is gone: nothing to do
     if job["setup"] is not None:
         from ..tf.device_setup import setup
@@ -71,12 +71,13 @@ def main(work: str) -> int:
     return 0
 
 
-def wait_warm(start: Path, setup: dict | None, poll: float = 0.01) -> bool:
+def wait_warm(start: Path, setup: dict | None, parent: int, poll: float = 0.01) -> bool:
     """A process started ahead of its work (search/warm.py): import TensorFlow, Keras and IPython now,
     start nothing of TensorFlow's runtime (no device is made, no memory taken, so a GPU's default
     limit is read when the work starts, not now), then wait until `start` exists. Lab mode's
     oneDNN switch is made first, as setup() makes it before TensorFlow's import. False: the process
-    that started this one is gone."""
+    that started this one (pid `parent`, written in the job: a parent that died before this process read
+    its own parent's pid is told so too) is gone."""
     import os
     import time
 
@@ -90,7 +91,6 @@ def wait_warm(start: Path, setup: dict | None, poll: float = 0.01) -> bool:
     from ..oom import explain  # noqa: F401
     from ..search import probe  # noqa: F401
 
-    parent = os.getppid()
     while not start.exists():
         if os.getppid() != parent:
             return False

@@ -107,6 +107,7 @@ TIERS = {
     "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
     "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
+    "test_errors.py": "magic",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

@@ -157,7 +157,7 @@ def test_tensorflows_own_rules_and_ours_agree():
         tf.zeros((4,))
         try:
             tfmem_widgets.setup(force_growth=True)
-        except tfmem_widgets.SetupError as exc:
+        except tfmem_widgets.StateError as exc:
             errors["late"] = str(exc)
         print(json.dumps(errors))
         """

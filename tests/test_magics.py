@@ -132,7 +132,7 @@ def test_same_setup_after_start_is_accepted_as_in_effect(shell):
 def test_device_names_are_normalized(lab_session):
     for name in ("cpu", "CPU:0", "/CPU:0", "/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0"):
         assert tfmem_widgets.measure(name).result.device == "CPU:0"
-    with pytest.raises(tfmem_widgets.SetupError):
+    with pytest.raises(tfmem_widgets.ArgumentError):
         tfmem_widgets.measure("TPU:0")
 
 

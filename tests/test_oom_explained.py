@@ -299,7 +299,7 @@ def test_a_traced_xla_fit_leaves_at_most_5_percent_unattributed_at_its_peak(kera
 
 def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):
     import tfmem_widgets
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
 
     log = (
         "W bfc_allocator.cc:502] Allocator (GPU_0_bfc) ran out of memory trying to allocate 16.00MiB "
@@ -320,7 +320,7 @@ def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):
     path.write_text(log)
     assert tfmem_widgets.explain_oom(path).map.chunks == report.map.chunks
     for bad in ("", str(tmp_path / "missing"), 42, ValueError("not memory")):
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(ArgumentError) as caught:
             tfmem_widgets.explain_oom(bad)
         assert "\n" not in str(caught.value) and "explain_oom" in str(caught.value)
 
@@ -349,11 +349,11 @@ def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell)
     from IPython.core.error import UsageError
 
     import tfmem_widgets
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
     from tfmem_widgets.tracing.recorder import current
 
     for bad in (0, 0.5, 4000, "5", True, float("nan")):
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(ArgumentError) as caught:
             tfmem_widgets.record(window=bad)
         assert "\n" not in str(caught.value) and "between 1 and 3600" in str(caught.value)
     for bad in ("0", "abc", "4000"):

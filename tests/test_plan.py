@@ -9,7 +9,7 @@ import pytest
 
 import tfmem_widgets
 from conftest import PROBE_DATA_MODEL, run_fresh, search_functions
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import ArgumentError
 
 MiB = 1 << 20
 
@@ -143,7 +143,7 @@ refused = []
 for args in ((object(), sample, 8), (model, sample, 0), (model, sample, True), (model, (np.float32(1.0), None), 8)):
     try:
         tfmem_widgets.plan(*args)
-    except tfmem_widgets.SetupError as exc:
+    except tfmem_widgets.ArgumentError as exc:
         refused.append(str(exc))
 print(json.dumps(dict(estimate=planned.estimate, fits=planned.fits(), bigger=planned.fits(4 << 30), text=repr(planned),
                       refused=refused, peak=planned.peak_bytes)))
@@ -173,7 +173,7 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
     assert safe is not None and failure is not None and failure - safe <= max(1, -(-safe * search.resolution // 1))
     assert next(p for p in search.probes if p.batch == safe).fits  # measured, not read off the plans
     assert "planned first" in repr(search)
-    with pytest.raises(SetupError, match="method must be"):
+    with pytest.raises(ArgumentError, match="method must be"):
         tfmem_widgets.max_batch_size(build_model, make_batch, method="guess")
 
 

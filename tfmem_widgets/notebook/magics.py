@@ -10,7 +10,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.process import arg_split
 
-from ..errors import SetupError
+from ..errors import ArgumentError, TfmemError, TraceDataError
 from ..oom.traced import trace
 from ..readings.measure import measure
 from ..readings.report import report
@@ -24,7 +24,7 @@ def _typed(parse):
     def parse_text(text: str):
         try:
             return parse(text)
-        except SetupError as exc:
+        except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     parse_text.__name__ = parse.__name__
@@ -42,7 +42,7 @@ def _core_check(check, read=float, what="seconds"):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         try:
             return check(value)
-        except SetupError as exc:
+        except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
     return parse_text
@@ -259,8 +259,8 @@ class TfmemMagics(Magics):
                 search = None
                 if args.search is not None:
                     if args.search not in self.shell.user_ns:
-                        raise SetupError(f"%tfmem panel --search: no variable {args.search!r} here; run "
-                                         "%%tfmem batch -v NAME (or max_batch_size) first.")
+                        raise ArgumentError(f"%tfmem panel --search: no variable {args.search!r} here; run "
+                                            "%%tfmem batch -v NAME (or max_batch_size) first.")
                     search = self.shell.user_ns[args.search]
                 return SetupPanel(search=search)
             if args.command == "record":
@@ -281,21 +281,21 @@ class TfmemMagics(Magics):
                     print("no OOM explained in this process yet")
                 return found
             return setup(**{name: getattr(args, name) for name in OPTION_NAMES})
-        except SetupError as exc:
+        except TfmemError as exc:  # a bad argument, a rule broken, a runtime started: one line
             raise UsageError(str(exc)) from None
 
     def _plan(self, args):
         from ..plans.plan import plan
 
         if args.variable is not None and not args.variable.isidentifier():
-            raise SetupError(f"%tfmem plan: -v needs a Python name, got {args.variable!r}.")
+            raise ArgumentError(f"%tfmem plan: -v needs a Python name, got {args.variable!r}.")
         values = []
         for what, text in (("model", args.model), ("sample", args.sample)):
             try:
                 values.append(self.shell.ev(text))
             except Exception as exc:
-                raise SetupError(f"%tfmem plan: the {what} {text!r} could not be read here ({type(exc).__name__}: "
-                                 f"{exc}).") from None
+                raise ArgumentError(f"%tfmem plan: the {what} {text!r} could not be read here ({type(exc).__name__}: "
+                                    f"{exc}).") from None
         result = plan(*values, args.batch)
         if args.variable:
             self.shell.user_ns[args.variable] = result
@@ -327,7 +327,7 @@ class TfmemMagics(Magics):
             block = measure(args.device)
             with block as measurement:
                 outcome = self.shell.run_cell(cell, store_history=False)
-        except SetupError as exc:
+        except TfmemError as exc:
             raise UsageError(str(exc)) from None
         failure = outcome.error_before_exec or outcome.error_in_exec
         if failure is not None:
@@ -345,7 +345,7 @@ class TfmemMagics(Magics):
         block = trace(keep=args.keep)
         try:
             block.__enter__()
-        except SetupError as exc:
+        except TfmemError as exc:  # a trace running already, the profiler held, a folder refused
             raise UsageError(str(exc)) from None
         outcome = None
         try:
@@ -354,7 +354,7 @@ class TfmemMagics(Magics):
             failure = None if outcome is None else (outcome.error_before_exec or outcome.error_in_exec)
             try:
                 block.__exit__(type(failure) if failure else None, failure, None)
-            except SetupError as exc:  # a trace file TensorFlow wrote that cannot be read
+            except TraceDataError as exc:  # a trace file TensorFlow wrote that cannot be read
                 raise UsageError(str(exc)) from None
         result = block.result
         if args.variable:
@@ -376,7 +376,7 @@ class TfmemMagics(Magics):
         return result if args.output else None
 
     def _fresh(self, args, cell: str):
-        from ..fresh.run import FreshRunError, run_fresh
+        from ..fresh.run import run_fresh
 
         options = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name) is not None}
         returns = list(dict.fromkeys(name for names in args.returns for name in names))
@@ -387,7 +387,7 @@ class TfmemMagics(Magics):
         try:
             run = run_fresh(cell, setup=options or None, env=dict(args.env), returns=returns,
                             timeout=args.timeout, path=args.path)
-        except (SetupError, FreshRunError) as exc:
+        except TfmemError as exc:  # a setup refused, or the fresh process failed
             if getattr(exc, "oom", None) is not None and not exc.oom_shown:
                 from IPython.display import display
 
@@ -419,7 +419,7 @@ class TfmemMagics(Magics):
                                     method=args.method or "auto",
                                     low=args.low, high=args.high, steps=args.steps, margin=args.margin,
                                     probe_timeout=args.timeout, env=dict(args.env))
-        except SetupError as exc:
+        except TfmemError as exc:
             raise UsageError(f"%%tfmem batch: {str(exc).removeprefix('max_batch_size: ')}") from None
         if args.variable:
             self.shell.user_ns[args.variable] = search

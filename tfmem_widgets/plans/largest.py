@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 from .hlo import told_apart, widths_of
 from .plan import StepPlan, plan, slots_shared_by_fit
 from .scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
@@ -85,7 +85,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
                 planned = plan(model, sample, batch)
                 shared = slots_shared_by_fit(model, planned) if fit_builds_slots else ()
                 plans[batch] = replace(planned, fit_start=fit_start, shared_slots=shared)
-            except SetupError as exc:  # XLA could not compile it (an autotuner without room): not fitting
+            except ArgumentError as exc:  # XLA could not compile it (an autotuner without room): not fitting
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return None
         return plans[batch]
@@ -98,10 +98,10 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     if first is None and start > low:
         refused, start, first = start, low, at(low)
     if first is None:
-        raise SetupError(notes[-1] if notes else "plan: the step could not be planned.")
+        raise ArgumentError(notes[-1] if notes else "plan: the step could not be planned.")
     limit = first.limit_bytes if limit_bytes is None else limit_bytes
     if limit is None:
-        raise SetupError("the device's limit is not known: pass limit_bytes.")
+        raise ArgumentError("the device's limit is not known: pass limit_bytes.")
 
     def fits(batch: int) -> bool:
         planned = at(batch)
@@ -239,7 +239,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         if batch not in plans:
             try:
                 plans[batch] = planner(model, sample, batch)
-            except SetupError as exc:
+            except ArgumentError as exc:
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return False
         return plans[batch].fits(limit_bytes, held(plans[batch]), regions)

@@ -412,6 +412,30 @@ def test_the_batch_magic_needs_both_functions_and_changes_no_name(shell):
     assert "--margin" in str(caught.value)
 
 
+def test_the_batch_magic_follows_timeit(shell, capsys):
+    from IPython.core.error import UsageError
+
+    cell = """
+def build_model():
+    import keras
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    return model
+
+def make_batch(n):
+    import numpy as np
+    return np.ones((n, 16), "float32"), np.ones((n, 1), "float32")
+"""
+    capsys.readouterr()
+    found = shell.run_cell_magic("tfmem", "batch --lab 64 --low 8 --high 8 --probe -o -q -v found_search", cell)
+    assert isinstance(found, BatchSearch) and shell.user_ns["found_search"] is found and found.largest == 8
+    assert "tfmem batch search" not in capsys.readouterr().out  # -q: not shown (its probes' lines are the search's)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("tfmem", "batch --lab 64 -v 2bad", cell)
+    assert "argument -v: expected a Python name" in str(caught.value) and "\n" not in str(caught.value)
+    assert not _children() and capsys.readouterr().out == ""
+
+
 def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_without_a_probe():
     # A search's figures (no process): a failure known from a plan, not probed, bounds the edge like one.
     search = BatchSearch([Probe(1, 30 * MiB, 1.0), Probe(3000, 100 * MiB, 1.0)], 1, 8192, 2, 0.0, 0.02,

@@ -197,7 +197,7 @@ def test_measure_and_magics_on_the_gpu():
         """
         ip.run_line_magic("tfmem", "setup --growth")
         m = ip.run_cell_magic("tfmem", "-o -q", KEEP_8_DROP_16)
-        r = ip.run_line_magic("tfmem", "")
+        r = ip.run_line_magic("tfmem", "-o -q")
         print(json.dumps({"device": m.device, "peak": m.peak_bytes, "delta": m.delta_bytes, "text": repr(r)}))
         """,
         first=FRESH_SHELL,

@@ -206,18 +206,23 @@ def test_the_probes_data_is_the_steps_batch_in_lab_mode_so_the_plan_search_adds_
         assert abs(row["peak"] - row["plan"]) <= 16 * 1024, row
 
 
-def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell):
+def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell, capsys):
     shell.run_cell(MODELS + "\nplanned_model, planned_sample, _ = dense()\n"
                    "planned_model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True), "
                    "jit_compile=True)")
-    result = shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 64 -v kept")
+    capsys.readouterr()
+    result = shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 64 -o -q -v kept")
     assert isinstance(result, tfmem_widgets.StepPlan) and shell.user_ns["kept"] is result
     assert result.batch_size == 64 and result.step_bytes > 0 and result.device == "CPU:0"
+    assert capsys.readouterr().out == ""
+    assert shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 32 -v shown") is None  # shown
+    assert capsys.readouterr().out.strip() == repr(shell.user_ns["shown"]).strip()
     from IPython.core.error import UsageError
 
     for line, words in (("plan nothing_here planned_sample -b 8", "could not be read"),
                         ("plan planned_model planned_sample", "required"),
-                        ("plan planned_model planned_sample -b 0", "at least 1")):
+                        ("plan planned_model planned_sample -b 0", "at least 1"),
+                        ("plan planned_model planned_sample -b 8 -v 2bad", "argument -v: expected a Python name")):
         with pytest.raises(UsageError) as caught:
             shell.run_line_magic("tfmem", line)
         assert words in str(caught.value) and "\n" not in str(caught.value)

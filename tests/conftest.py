@@ -32,6 +32,20 @@ KEEP_8_DROP_16 = "\\n".join(["import tensorflow as tf",
 """
 
 
+# An OOM as a job's log shows it (a GPU's BFC allocator: 2 MiB in use of 8, 16 MiB asked), for explain_oom.
+PASTED_OOM_LOG = (
+    "W bfc_allocator.cc:502] Allocator (GPU_0_bfc) ran out of memory trying to allocate 16.00MiB "
+    "(rounded to 16777216)requested by op Fill\n"
+    "I bfc_allocator.cc:1085] Next region of size 4194304\n"
+    "I bfc_allocator.cc:1105] InUse at 7f0000000000 of size 2097152 next 1\n"
+    "I bfc_allocator.cc:1105] Free  at 7f0000200000 of size 2097152 next 2\n"
+    "I bfc_allocator.cc:1119] Total size in pool: 4.00MiB memory_limit_: 8.00MiB available size: 4.00MiB "
+    "curr_region_allocation_bytes_: 8.00MiB\n"
+    "OOM when allocating tensor with shape[4194304] and type float on /job:localhost/replica:0/task:0/"
+    "device:GPU:0 by allocator GPU_0_bfc\n"
+)
+
+
 def start_fresh(code: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a new Python process, as a reader's would start: without this
     process's setup variables. finish_fresh gives the JSON object it prints last."""
@@ -107,6 +121,7 @@ TIERS = {
     "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
     "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
+    "test_errors.py": "magic",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

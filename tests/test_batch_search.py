@@ -11,7 +11,7 @@ import pytest
 
 import tfmem_widgets
 from conftest import search_functions
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import ArgumentError, FreshRunError
 from tfmem_widgets.search.batch_search import BatchSearch, Probe
 
 MiB = 1 << 20
@@ -231,8 +231,8 @@ def test_the_margins_probes_follow_the_edge_and_a_stop_there_keeps_the_edge(monk
     assert "interrupted while probing for the margin, after the edge was known: the recommended batch was " \
         "measured by 1 probe(s)" in repr(search)
     # A margin probe's process failing (not an OOM) ends the margin's probes with a note; the edge stands.
-    search = _made_up_search(monkeypatch, 4200, peak, raise_at=(own + 2, SetupError("max_batch_size: the probe "
-                                                                                    "at batch 3,600 ran past 600 s")))
+    search = _made_up_search(monkeypatch, 4200, peak, raise_at=(own + 2, FreshRunError("max_batch_size: the probe "
+                                                                                       "at batch 3,600 ran past 600 s")))
     assert not search.interrupted and search.edge == (safe, failure)
     assert "the margin's probes stopped: max_batch_size: the probe at batch 3,600 ran past 600 s" in repr(search)
     assert f"the recommended batch {search.recommended:,} was measured by one probe only" in repr(search)
@@ -290,10 +290,10 @@ def test_bad_input_is_one_line_and_starts_nothing():
     for kwargs, words in (({"low": 8, "high": 4}, "low (8) is above high (4)"),
                           ({"margin": 1.5}, "margin must be"), ({"steps": 0}, "steps must be"),
                           ({"setup": {"lab": 64}}, "unknown setup option"), ({"progress": "yes"}, "progress must")):
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(ArgumentError) as caught:
             tfmem_widgets.max_batch_size(build_model, make_batch, **kwargs)
         assert words in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(SetupError) as caught:
+    with pytest.raises(ArgumentError) as caught:
         tfmem_widgets.max_batch_size("model", make_batch)
     assert "build_model must be a function" in str(caught.value)
     assert not _children()
@@ -318,16 +318,18 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
     big_model, _ = search_functions(width=4096)   # 64 MiB of kernel: more than the 48 MB lab
     wide_model, _ = search_functions(width=1536)  # it is built; with Adam's slots and gradients a step is not
     cases = [
-        (dict(build_model=raising_model, make_batch=make_batch), "build_model() raised ValueError: no such layer"),
-        (dict(build_model=build_model, make_batch=short_batch, low=8),
+        (dict(build_model=raising_model, make_batch=make_batch), ArgumentError,
+         "build_model() raised ValueError: no such layer"),
+        (dict(build_model=build_model, make_batch=short_batch, low=8), ArgumentError,
          "make_batch(8) returned x as a ndarray of shape (4, 512): 4 rows; x and y must hold exactly 8 rows each"),
-        (dict(build_model=big_model, make_batch=make_batch), "the model alone does not fit"),
-        (dict(build_model=wide_model, make_batch=make_batch), "a batch of 1 does not fit"),
-        (dict(build_model=hanging_model, make_batch=make_batch, probe_timeout=20), "ran past 20 s and was stopped"),
+        (dict(build_model=big_model, make_batch=make_batch), ArgumentError, "the model alone does not fit"),
+        (dict(build_model=wide_model, make_batch=make_batch), ArgumentError, "a batch of 1 does not fit"),
+        (dict(build_model=hanging_model, make_batch=make_batch, probe_timeout=20), FreshRunError,
+         "ran past 20 s and was stopped"),
     ]
-    for kwargs, words in cases:
+    for kwargs, kind, words in cases:
         started = time.monotonic()
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(kind) as caught:
             tfmem_widgets.max_batch_size(setup={"lab_mb": 48}, progress=False, **kwargs)
         assert words in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
         assert time.monotonic() - started < 120
@@ -375,15 +377,15 @@ def test_every_probe_failure_names_its_cause_in_one_line():
         return [[0.5] * 512 for _ in range(n)], [[1.0] for _ in range(n)]
 
     cases = [
-        (_ragged, "the train step at batch 8 raised"),
-        (_exits, "make_batch(8) raised SystemExit: 2"),
-        (_interrupted, "make_batch(8) raised KeyboardInterrupt"),
-        (_dies, "its process ended with exit code 3; it wrote nothing"),
-        (_more_labels, "make_batch(8) returned y as a ndarray of shape (16, 1): 16 rows"),
-        (_narrow, "incompatible"),   # Keras' cause, not its 'Exception encountered when calling' line
+        (_ragged, ArgumentError, "the train step at batch 8 raised"),
+        (_exits, ArgumentError, "make_batch(8) raised SystemExit: 2"),
+        (_interrupted, ArgumentError, "make_batch(8) raised KeyboardInterrupt"),
+        (_dies, FreshRunError, "its process ended with exit code 3; it wrote nothing"),
+        (_more_labels, ArgumentError, "make_batch(8) returned y as a ndarray of shape (16, 1): 16 rows"),
+        (_narrow, ArgumentError, "incompatible"),   # Keras' cause, not its 'Exception encountered when calling' line
     ]
-    for make_batch, words in cases:
-        with pytest.raises(SetupError) as caught:
+    for make_batch, kind, words in cases:
+        with pytest.raises(kind) as caught:
             tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 64}, low=8, high=8,
                                          progress=False, method="probe")
         said = str(caught.value)
@@ -408,6 +410,30 @@ def test_the_batch_magic_needs_both_functions_and_changes_no_name(shell):
     with pytest.raises(UsageError) as caught:
         shell.run_cell_magic("tfmem", "batch --margin 2", "def build_model(): pass\n")
     assert "--margin" in str(caught.value)
+
+
+def test_the_batch_magic_follows_timeit(shell, capsys):
+    from IPython.core.error import UsageError
+
+    cell = """
+def build_model():
+    import keras
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    return model
+
+def make_batch(n):
+    import numpy as np
+    return np.ones((n, 16), "float32"), np.ones((n, 1), "float32")
+"""
+    capsys.readouterr()
+    found = shell.run_cell_magic("tfmem", "batch --lab 64 --low 8 --high 8 --probe -o -q -v found_search", cell)
+    assert isinstance(found, BatchSearch) and shell.user_ns["found_search"] is found and found.largest == 8
+    assert "tfmem batch search" not in capsys.readouterr().out  # -q: not shown (its probes' lines are the search's)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("tfmem", "batch --lab 64 -v 2bad", cell)
+    assert "argument -v: expected a Python name" in str(caught.value) and "\n" not in str(caught.value)
+    assert not _children() and capsys.readouterr().out == ""
 
 
 def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_without_a_probe():
@@ -547,7 +573,6 @@ def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_i
     from types import SimpleNamespace
 
     import tfmem_widgets.fresh.run as fresh
-    from tfmem_widgets.errors import FreshRunError
     from tfmem_widgets.fresh.transport import tell_batch
     from tfmem_widgets.plans.largest import PlanSearch
     from tfmem_widgets.search.plan_first import BETWEEN, DONE, FROM_LOW, UP, plan_first

@@ -93,7 +93,7 @@ def test_figures_come_from_what_tensorflow_read_at_its_start_not_the_environment
 import json, os
 import tensorflow as tf
 import tfmem_widgets
-from tfmem_widgets import SetupError, report, setup, measure
+from tfmem_widgets import StateError, report, setup, measure
 x = tf.zeros((256,))                        # the runtime starts with lab mode at 64 MB ("1")
 os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = "512"
 r = report()
@@ -101,7 +101,7 @@ same = setup(lab_mb=64)
 try:
     setup(lab_mb=512)
     refused = None
-except SetupError as exc:
+except StateError as exc:
     refused = str(exc)
 with measure("CPU:0") as m:
     pass

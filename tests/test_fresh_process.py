@@ -14,10 +14,10 @@ def test_import_and_load_ext_do_not_start_the_runtime_and_setup_still_works():
         from IPython.testing.globalipapp import start_ipython
         ip = start_ipython()
         ip.run_line_magic("load_ext", "tfmem_widgets")
-        report = ip.run_line_magic("tfmem", "")          # reading must not start it either
+        report = ip.run_line_magic("tfmem", "-o -q")     # reading must not start it either
         from tfmem_widgets.tf.runtime import runtime_started
         before = runtime_started()
-        result = ip.run_line_magic("tfmem", "setup --lab 64")
+        result = ip.run_line_magic("tfmem", "setup --lab 64 -o -q")
         import tensorflow as tf
         with tf.device("CPU:0"):
             small = tf.zeros((10,))                      # 40 bytes: a 256-byte BFC chunk

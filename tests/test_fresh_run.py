@@ -47,6 +47,20 @@ print("child says", peak)
     assert os.environ[LAB_LIMIT_ENV] == "256"          # this process's setup is untouched
 
 
+def test_fresh_follows_timeit_with_its_fresh_run(shell, capsys):
+    capsys.readouterr()
+    assert shell.run_cell_magic("tfmem", "fresh -r answer -v fresh_run", "answer = 42") is None
+    run = shell.user_ns["fresh_run"]  # -v: the FreshRun, shown without -o
+    assert isinstance(run, tfmem_widgets.FreshRun) and run.values == {"answer": 42} and shell.user_ns["answer"] == 42
+    assert capsys.readouterr().out.strip() == repr(run) == "FreshRun(exit 0, returned answer)"
+    returned = shell.run_cell_magic("tfmem", "fresh -o -q", "pass")
+    assert isinstance(returned, tfmem_widgets.FreshRun) and returned.returncode == 0 and capsys.readouterr().out == ""
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("tfmem", "fresh -v 2bad", "print('ran')")
+    assert "argument -v: expected a Python name" in str(info.value) and "\n" not in str(info.value)
+    assert capsys.readouterr().out == ""  # refused before a process started
+
+
 def test_a_traced_oom_comes_back_as_a_trace_with_its_dump():
     run = run_fresh(FRAGMENTING_OOM, setup={"lab_mb": 64}, returns=["t", "largest"], echo=False)
     trace = run.values["t"]

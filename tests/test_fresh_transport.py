@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from IPython.core.error import UsageError
 
-from tfmem_widgets import SetupError
+from tfmem_widgets import ArgumentError
 from tfmem_widgets.fresh.run import FreshRunError, run_fresh
 
 
@@ -161,7 +161,7 @@ def test_r_given_twice_brings_back_both(shell):
 
 @pytest.mark.parametrize("timeout", ["5", -1, 0, float("nan"), True, [5]])
 def test_run_fresh_timeout_is_checked_as_the_magic_checks_it(timeout):
-    with pytest.raises(SetupError) as info:
+    with pytest.raises(ArgumentError) as info:
         run_fresh("x = 1", timeout=timeout, echo=False)
     assert "\n" not in str(info.value) and "timeout" in str(info.value)
 
@@ -180,11 +180,11 @@ def test_no_timeout_is_none_and_the_magic_says_none(shell):
     ({"lab_mb": 64, "cpus": 0}, "cpus must be a count"),
     ("lab_mb=64", "setup must be a dict"),
 ])
-def test_a_bad_setup_is_a_setup_error_here_before_any_process(setup, expected, monkeypatch):
+def test_a_bad_setup_is_an_argument_error_here_before_any_process(setup, expected, monkeypatch):
     import subprocess
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
-    with pytest.raises(SetupError, match=expected):
+    with pytest.raises(ArgumentError, match=expected):
         run_fresh("x = 1", setup=setup, echo=False)
 
 

@@ -157,7 +157,7 @@ def test_tensorflows_own_rules_and_ours_agree():
         tf.zeros((4,))
         try:
             tfmem_widgets.setup(force_growth=True)
-        except tfmem_widgets.SetupError as exc:
+        except tfmem_widgets.StateError as exc:
             errors["late"] = str(exc)
         print(json.dumps(errors))
         """
@@ -197,7 +197,7 @@ def test_measure_and_magics_on_the_gpu():
         """
         ip.run_line_magic("tfmem", "setup --growth")
         m = ip.run_cell_magic("tfmem", "-o -q", KEEP_8_DROP_16)
-        r = ip.run_line_magic("tfmem", "")
+        r = ip.run_line_magic("tfmem", "-o -q")
         print(json.dumps({"device": m.device, "peak": m.peak_bytes, "delta": m.delta_bytes, "text": repr(r)}))
         """,
         first=FRESH_SHELL,

@@ -6,6 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
+from conftest import PASTED_OOM_LOG
 from tfmem_widgets.units import MiB
 
 # Tests here run on the CPU in lab mode, also on a machine with a GPU.
@@ -88,7 +89,7 @@ def test_report_shows_lab_mode_and_the_allocator(shell):
 
     with tf.device("CPU:0"):
         keep = tf.zeros((1 << 20,))
-    r = shell.run_line_magic("tfmem", "")
+    r = shell.run_line_magic("tfmem", "-o")  # %tfmem [options] is %tfmem report [options]
     cpu = r.cpus[0]
     assert r.runtime_started and r.lab_limit_bytes == 256 * MiB
     assert cpu.name == "CPU:0" and cpu.limit_bytes == 256 * MiB and cpu.limit_source == "lab mode"
@@ -119,20 +120,20 @@ def test_bad_input_is_one_line_and_changes_nothing(shell):
     for line, expected in cases.items():
         assert expected in one_line_usage_error(shell, line), line
     assert "no device 'GPU:3'" in one_line_usage_error(shell, "-d GPU:3", "x = 1")
-    assert "-v needs a Python name" in one_line_usage_error(shell, "-v 2bad", "x = 1")
+    assert "argument -v: expected a Python name" in one_line_usage_error(shell, "-v 2bad", "x = 1")
     assert {k: v for k, v in os.environ.items() if k.startswith("TF_")} == env_before
     assert shell.run_cell("1 + 1").result == 2
 
 
 def test_same_setup_after_start_is_accepted_as_in_effect(shell):
-    result = shell.run_line_magic("tfmem", "setup --lab 256")
+    result = shell.run_line_magic("tfmem", "setup --lab 256 -o")
     assert not result.changed and "already in effect" in repr(result)
 
 
 def test_device_names_are_normalized(lab_session):
     for name in ("cpu", "CPU:0", "/CPU:0", "/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0"):
         assert tfmem_widgets.measure(name).result.device == "CPU:0"
-    with pytest.raises(tfmem_widgets.SetupError):
+    with pytest.raises(tfmem_widgets.ArgumentError):
         tfmem_widgets.measure("TPU:0")
 
 
@@ -140,3 +141,93 @@ def test_help_lists_every_setup_option(shell):
     doc = shell.find_line_magic("tfmem").__doc__
     for option in ("--lab", "--growth", "--limit", "--split", "--gpus", "--allocator", "--reserve", "-o", "-q", "-v"):
         assert option in doc
+
+
+# -- one convention for every result (IPython's %timeit): -o returns it, -q does not show it, -v NAME stores it
+
+A_CELL = "cell_ran = True\nimport tensorflow as tf\nwith tf.device('CPU:0'):\n    z = tf.ones((1 << 10,))\ndel z"
+# Each subcommand that makes a result, as (its line, its cell or None for a line magic, the result's class). plan,
+# batch and fresh follow the same convention in tests/test_plan.py, test_batch_search.py and test_fresh_run.py.
+RESULT_MAKERS = {
+    "report": ("report", None, "MemoryReport"),
+    "setup": ("setup --lab 256", None, "SetupResult"),   # this session's setup again: nothing changes
+    "oom": ("oom", None, "OomReport"),
+    "measure": ("-d CPU:0", A_CELL, "Measurement"),
+    "trace": ("trace", A_CELL, "Trace"),
+}
+
+
+@pytest.fixture
+def an_oom_explained():
+    """A last OOM to report (%tfmem oom): a pasted log's, explained; the one before is put back after."""
+    from tfmem_widgets.oom import explain
+
+    before = explain.last_oom()
+    explain.remember(tfmem_widgets.explain_oom(PASTED_OOM_LOG))
+    yield explain.last_oom()
+    explain.remember(before)
+
+
+@pytest.mark.parametrize("name", list(RESULT_MAKERS))
+def test_every_result_follows_timeit(shell, capsys, an_oom_explained, name):
+    line, cell, kind = RESULT_MAKERS[name]
+
+    def run(flags: str):
+        shell.user_ns.pop("cell_ran", None)
+        text = f"{line} {flags}".strip()
+        return shell.run_line_magic("tfmem", text) if cell is None else shell.run_cell_magic("tfmem", text, cell)
+
+    capsys.readouterr()
+    assert run("-v kept_result") is None  # without -o: shown, not returned
+    kept = shell.user_ns.pop("kept_result")
+    assert type(kept).__name__ == kind and capsys.readouterr().out.strip() == repr(kept).strip()
+    returned = run("-o -q")
+    assert type(returned).__name__ == kind and capsys.readouterr().out == ""
+    assert (returned is kept) == (name == "oom")  # each run makes its result; oom reports the same last OOM
+    assert run("-o").__class__ is returned.__class__ and capsys.readouterr().out.strip()  # -o: shown and returned
+    for bad in ("2bad", "class", "a.b"):
+        shell.user_ns.pop("cell_ran", None)
+        message = one_line_usage_error(shell, f"{line} -v {bad}", cell)
+        assert "argument -v: expected a Python name" in message, message
+        assert "cell_ran" not in shell.user_ns and capsys.readouterr().out == ""  # refused before anything ran
+    assert "given twice" in one_line_usage_error(shell, f"{line} -v a -v b", cell)
+    assert (kept is an_oom_explained) == (name == "oom")
+
+
+def test_oom_with_none_says_so_and_stores_none(shell, capsys):
+    from tfmem_widgets.oom import explain
+
+    before = explain.last_oom()
+    explain.remember(None)
+    try:
+        assert shell.run_line_magic("tfmem", "oom -v no_oom") is None
+        assert capsys.readouterr().out == "no OOM explained in this process yet\n" and shell.user_ns["no_oom"] is None
+    finally:
+        explain.remember(before)
+
+
+def test_a_state_the_core_refuses_is_one_line_in_the_magic(shell):
+    with tfmem_widgets.trace():
+        message = one_line_usage_error(shell, "trace", "x = 1")
+    assert message.startswith("%%tfmem trace: a trace is already running")
+
+
+def test_help_is_the_parsers_own(shell, capsys):
+    from tfmem_widgets.notebook.magic_parsers import CELL_MODES, SUBCOMMANDS, summary_of
+
+    assert set(SUBCOMMANDS) == {"report", "setup", "watch", "panel", "record", "oom", "plan"}
+    assert set(CELL_MODES) == {"measure", "trace", "fresh", "batch"}
+    shell.run_line_magic("pinfo", "%tfmem")
+    text = capsys.readouterr().out
+    for parser in (*SUBCOMMANDS.values(), *CELL_MODES.values()):
+        assert parser.format_usage().rstrip() in text and summary_of(parser) in text, parser.prog
+    # -h: that parser's help as argparse writes it, and nothing runs
+    assert shell.run_line_magic("tfmem", "setup --lab 64 -h") is None
+    assert capsys.readouterr().out.strip() == SUBCOMMANDS["setup"].format_help().strip()
+    shell.user_ns.pop("cell_ran", None)
+    assert shell.run_cell_magic("tfmem", "trace -h", A_CELL) is None and "cell_ran" not in shell.user_ns
+    assert capsys.readouterr().out.strip() == CELL_MODES["trace"].format_help().strip()
+    assert shell.run_line_magic("tfmem", "-h") is None
+    assert capsys.readouterr().out.strip() == shell.find_line_magic("tfmem").__doc__.strip()
+    message = one_line_usage_error(shell, "setup --bogus")
+    assert message == "%tfmem setup: unrecognized arguments: --bogus. See %tfmem setup -h for its options."

@@ -108,10 +108,10 @@ def test_a_peak_within_5_percent_of_the_limit_is_said_once(lab_session, capsys):
 
 
 def test_a_bad_device_fails_before_the_fit(lab_session):
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
     from tfmem_widgets.readings.callback import MemoryCallback
 
-    with pytest.raises(SetupError) as caught:
+    with pytest.raises(ArgumentError) as caught:
         MemoryCallback(device="GPU:7")
     assert "\n" not in str(caught.value)
 

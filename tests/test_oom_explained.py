@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import finish_fresh, start_fresh
+from conftest import PASTED_OOM_LOG, finish_fresh, start_fresh
 
 MiB = 1 << 20
 
@@ -299,19 +299,9 @@ def test_a_traced_xla_fit_leaves_at_most_5_percent_unattributed_at_its_peak(kera
 
 def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):
     import tfmem_widgets
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
 
-    log = (
-        "W bfc_allocator.cc:502] Allocator (GPU_0_bfc) ran out of memory trying to allocate 16.00MiB "
-        "(rounded to 16777216)requested by op Fill\n"
-        "I bfc_allocator.cc:1085] Next region of size 4194304\n"
-        "I bfc_allocator.cc:1105] InUse at 7f0000000000 of size 2097152 next 1\n"
-        "I bfc_allocator.cc:1105] Free  at 7f0000200000 of size 2097152 next 2\n"
-        "I bfc_allocator.cc:1119] Total size in pool: 4.00MiB memory_limit_: 8.00MiB available size: 4.00MiB "
-        "curr_region_allocation_bytes_: 8.00MiB\n"
-        "OOM when allocating tensor with shape[4194304] and type float on /job:localhost/replica:0/task:0/"
-        "device:GPU:0 by allocator GPU_0_bfc\n"
-    )
+    log = PASTED_OOM_LOG
     report = tfmem_widgets.explain_oom(log)
     assert report.allocator == "GPU_0_bfc" and report.request_bytes == 16 << 20
     assert report.largest_free_bytes == 2 << 20 and report.limit_bytes == 8 << 20
@@ -320,7 +310,7 @@ def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):
     path.write_text(log)
     assert tfmem_widgets.explain_oom(path).map.chunks == report.map.chunks
     for bad in ("", str(tmp_path / "missing"), 42, ValueError("not memory")):
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(ArgumentError) as caught:
             tfmem_widgets.explain_oom(bad)
         assert "\n" not in str(caught.value) and "explain_oom" in str(caught.value)
 
@@ -349,11 +339,11 @@ def test_the_recorder_refuses_a_bad_window_in_one_line_and_starts_nothing(shell)
     from IPython.core.error import UsageError
 
     import tfmem_widgets
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
     from tfmem_widgets.tracing.recorder import current
 
     for bad in (0, 0.5, 4000, "5", True, float("nan")):
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(ArgumentError) as caught:
             tfmem_widgets.record(window=bad)
         assert "\n" not in str(caught.value) and "between 1 and 3600" in str(caught.value)
     for bad in ("0", "abc", "4000"):

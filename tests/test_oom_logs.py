@@ -81,13 +81,13 @@ def test_a_large_log_is_read_line_by_line_in_less_memory_than_the_file(two_oom_l
 
 def test_empty_text_and_endless_files_are_refused_in_one_line(tmp_path):
     import tfmem_widgets
-    from tfmem_widgets.errors import SetupError
+    from tfmem_widgets.errors import ArgumentError
 
     empty = tmp_path / "empty.log"
     empty.write_text("")
     for bad in ("\n", "   \n  ", b"\n", empty, "/dev/zero"):
         if bad == "/dev/zero" and not os.path.exists(bad):
             continue
-        with pytest.raises(SetupError) as refused:
+        with pytest.raises(ArgumentError) as refused:
             tfmem_widgets.explain_oom(bad)
         assert "\n" not in str(refused.value) and "explain_oom" in str(refused.value)

@@ -9,7 +9,7 @@ import pytest
 
 import tfmem_widgets
 from conftest import PROBE_DATA_MODEL, run_fresh, search_functions
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import ArgumentError
 
 MiB = 1 << 20
 
@@ -143,7 +143,7 @@ refused = []
 for args in ((object(), sample, 8), (model, sample, 0), (model, sample, True), (model, (np.float32(1.0), None), 8)):
     try:
         tfmem_widgets.plan(*args)
-    except tfmem_widgets.SetupError as exc:
+    except tfmem_widgets.ArgumentError as exc:
         refused.append(str(exc))
 print(json.dumps(dict(estimate=planned.estimate, fits=planned.fits(), bigger=planned.fits(4 << 30), text=repr(planned),
                       refused=refused, peak=planned.peak_bytes)))
@@ -173,7 +173,7 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
     assert safe is not None and failure is not None and failure - safe <= max(1, -(-safe * search.resolution // 1))
     assert next(p for p in search.probes if p.batch == safe).fits  # measured, not read off the plans
     assert "planned first" in repr(search)
-    with pytest.raises(SetupError, match="method must be"):
+    with pytest.raises(ArgumentError, match="method must be"):
         tfmem_widgets.max_batch_size(build_model, make_batch, method="guess")
 
 
@@ -206,18 +206,23 @@ def test_the_probes_data_is_the_steps_batch_in_lab_mode_so_the_plan_search_adds_
         assert abs(row["peak"] - row["plan"]) <= 16 * 1024, row
 
 
-def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell):
+def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell, capsys):
     shell.run_cell(MODELS + "\nplanned_model, planned_sample, _ = dense()\n"
                    "planned_model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True), "
                    "jit_compile=True)")
-    result = shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 64 -v kept")
+    capsys.readouterr()
+    result = shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 64 -o -q -v kept")
     assert isinstance(result, tfmem_widgets.StepPlan) and shell.user_ns["kept"] is result
     assert result.batch_size == 64 and result.step_bytes > 0 and result.device == "CPU:0"
+    assert capsys.readouterr().out == ""
+    assert shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 32 -v shown") is None  # shown
+    assert capsys.readouterr().out.strip() == repr(shell.user_ns["shown"]).strip()
     from IPython.core.error import UsageError
 
     for line, words in (("plan nothing_here planned_sample -b 8", "could not be read"),
                         ("plan planned_model planned_sample", "required"),
-                        ("plan planned_model planned_sample -b 0", "at least 1")):
+                        ("plan planned_model planned_sample -b 0", "at least 1"),
+                        ("plan planned_model planned_sample -b 8 -v 2bad", "argument -v: expected a Python name")):
         with pytest.raises(UsageError) as caught:
             shell.run_line_magic("tfmem", line)
         assert words in str(caught.value) and "\n" not in str(caught.value)

@@ -7,7 +7,7 @@ rules against a real GPU runtime are in test_gpu.py.
 
 import pytest
 
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import ArgumentError, SetupError, StateError
 from tfmem_widgets.tf.devices import PhysicalGpu
 from tfmem_widgets.tf.nvml import GpuMemory, ProcessGpuMemory
 from tfmem_widgets.tf.options import DEFAULT_LAB_MB, SetupRequest
@@ -37,8 +37,8 @@ def state(gpus=(), started=False, env=None, nvml=True, host=24 * GiB):
     )
 
 
-def refused(request, st) -> str:
-    with pytest.raises(SetupError) as info:
+def refused(request, st, kind=SetupError) -> str:
+    with pytest.raises(kind) as info:
         plan_setup(request, st)
     message = str(info.value)
     assert "\n" not in message, "refusals are one line"
@@ -176,13 +176,13 @@ def test_lab_limit_above_host_memory_is_refused():
 
 def test_after_start_a_change_is_refused_with_why_and_fix():
     st = state(started=True, env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "64"})
-    message = refused(SetupRequest(lab_mb=128), st)
+    message = refused(SetupRequest(lab_mb=128), st, StateError)
     assert "already started" in message and "lab mode with 64 MB" in message
     assert "restart the kernel" in message and "%tfmem setup --lab 128" in message
 
 
 def test_after_start_growth_change_points_to_the_environment_route():
-    message = refused(SetupRequest(growth=True), state([gpu(0)], started=True))
+    message = refused(SetupRequest(growth=True), state([gpu(0)], started=True), StateError)
     assert "TF_FORCE_GPU_ALLOW_GROWTH=true" in message and "restart the kernel" in message
 
 
@@ -210,7 +210,7 @@ def test_after_start_the_same_setup_is_a_no_op():
     ],
 )
 def test_bad_values_are_refused_in_one_line(kwargs):
-    with pytest.raises(SetupError) as info:
+    with pytest.raises(ArgumentError) as info:
         SetupRequest(**kwargs)
     assert "\n" not in str(info.value)
 
@@ -231,7 +231,7 @@ def test_numpy_integers_are_whole_numbers():
                            gpus=(np.int64(0),), limit_mb={np.int64(0): np.int64(4096)})
     assert request.lab_mb == 64 and type(request.lab_mb) is int and request.cpus == 2
     assert request.split == [2048, 2048] and request.gpus == [0] and request.limit_mb == {0: 4096}
-    with pytest.raises(SetupError, match="whole number"):
+    with pytest.raises(ArgumentError, match="whole number"):
         SetupRequest(lab_mb=np.float64(64))
 
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from injection import Steps
 
-from tfmem_widgets import SetupError, measure, run_fresh, trace
+from tfmem_widgets import ArgumentError, measure, run_fresh, trace
 from tfmem_widgets.readings.sampler import sampler
 from tfmem_widgets.tf import dump_place
 
@@ -260,7 +260,7 @@ def test_a_gauge_interval_is_checked_where_it_is_given(lab_session, interval):
     from tfmem_widgets.notebook.widgets.gauge import Gauge
 
     subscribers = sampler.subscriber_count
-    with pytest.raises(SetupError) as info:
+    with pytest.raises(ArgumentError) as info:
         Gauge(interval=interval)
     assert "\n" not in str(info.value) and "interval" in str(info.value)
     assert sampler.subscriber_count == subscribers

@@ -97,16 +97,16 @@ def test_in_use_by_layer_lists_the_largest_first_and_the_fix_names_it():
 def test_explain_oom_takes_the_fit_whole_or_not_at_all():
     import pytest
 
-    from tfmem_widgets import SetupError, explain_oom
+    from tfmem_widgets import ArgumentError, explain_oom
 
     error = RuntimeError("OOM when allocating tensor with shape[8192,4096] and type float on /device:CPU:0 by "
                          "allocator bfc_cpu_allocator_for_gpu")
     for kwargs in ({"batch_size": 8192}, {"model": object(), "sample": (1, 2), "batch_size": 0},
                    {"model": object(), "sample": (1, 2), "batch_size": True}):
-        with pytest.raises(SetupError) as refused:
+        with pytest.raises(ArgumentError) as refused:
             explain_oom(error, **kwargs)
         assert "\n" not in str(refused.value) and "go together" in str(refused.value)
-    with pytest.raises(SetupError, match="apply to an error raised in this process"):
+    with pytest.raises(ArgumentError, match="apply to an error raised in this process"):
         explain_oom("/no/such/dump", model=object(), sample=(1, 2), batch_size=8)
 
 

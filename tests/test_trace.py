@@ -109,7 +109,7 @@ def test_traces_cannot_nest_and_the_next_one_works(lab_session):
     import tensorflow as tf
 
     with trace():
-        with pytest.raises(tfmem_widgets.SetupError, match="already running"):
+        with pytest.raises(tfmem_widgets.StateError, match="already running"):
             with trace():
                 pass
     with trace() as again:
@@ -190,7 +190,7 @@ try:
     with tfmem_widgets.trace():
         pass
     refused = None
-except tfmem_widgets.SetupError as exc:
+except tfmem_widgets.StateError as exc:
     refused = str(exc)
 print(json.dumps({"refused": refused, "tracing": importlib.import_module("tfmem_widgets.tracing.block").tracing()}))
 """, env={"TF_GPU_ALLOCATOR": "cuda_malloc_async"})
@@ -246,15 +246,15 @@ def test_map_at_a_moment_outside_the_trace_is_refused(lab_session):
     with trace() as t:
         with tf.device("CPU:0"):
             tf.zeros((10,))
-    with pytest.raises(tfmem_widgets.SetupError, match="outside this trace"):
+    with pytest.raises(tfmem_widgets.ArgumentError, match="outside this trace"):
         t.map(at=10_000, allocator=CPU)
     for bad in ("bogus", 1.7, True, [0]):  # not an index: refused, never rounded to one
-        with pytest.raises(tfmem_widgets.SetupError, match="an event's index"):
+        with pytest.raises(tfmem_widgets.ArgumentError, match="an event's index"):
             t.map(at=bad, allocator=CPU)
     import numpy as np
 
     assert t.map(at=np.int64(0), allocator=CPU) == t.map(at=0, allocator=CPU)
-    with pytest.raises(tfmem_widgets.SetupError, match="no events of allocator"):
+    with pytest.raises(tfmem_widgets.ArgumentError, match="no events of allocator"):
         t.map(allocator="GPU_7_bfc")
 
 

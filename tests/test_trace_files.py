@@ -14,7 +14,7 @@ import pytest
 
 import tfmem_widgets
 from conftest import finish_fresh, start_fresh
-from tfmem_widgets import SetupError, trace
+from tfmem_widgets import ArgumentError, StateError, trace
 
 CPU = "bfc_cpu_allocator_for_gpu"
 
@@ -144,7 +144,7 @@ def test_keep_that_cannot_be_a_folder_is_one_line_and_changes_nothing(lab_sessio
     if where == "a_file":
         target.write_text("not a folder")
     before = os.environ.get("TF_BFC_MEMORY_DUMP")
-    with pytest.raises(SetupError) as info:
+    with pytest.raises(ArgumentError) as info:
         with trace(keep=target):
             pass
     assert "\n" not in str(info.value) and "cannot keep the trace" in str(info.value)
@@ -161,10 +161,10 @@ def test_a_refused_trace_leaves_no_folder(lab_session, tmp_path):
     tf.profiler.experimental.start(str(tmp_path / "someone_elses"))
     try:
         for _ in range(3):
-            with pytest.raises(SetupError, match="another profiler"):
+            with pytest.raises(StateError, match="another profiler"):
                 with trace():
                     pass
-            with pytest.raises(SetupError, match="another profiler"):
+            with pytest.raises(StateError, match="another profiler"):
                 with trace(keep=tmp_path / "kept"):
                     pass
     finally:
@@ -190,10 +190,10 @@ def test_a_trace_object_runs_once(lab_session):
     block = trace()
     with block:
         pass
-    with pytest.raises(SetupError, match="already run"):
+    with pytest.raises(StateError, match="already run"):
         with block:
             pass
-    with pytest.raises(SetupError, match="folder's path"):
+    with pytest.raises(ArgumentError, match="folder's path"):
         trace(keep=42)
     assert tfmem_widgets.trace is trace
 

@@ -17,7 +17,7 @@ import cloudpickle
 import psutil
 import pytest
 
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import FreshRunError
 from tfmem_widgets.search.probe import probe_in_fresh_process
 from tfmem_widgets.search.warm import WarmProbes
 
@@ -240,7 +240,7 @@ def test_closing_a_search_ends_its_waiting_process_and_a_probe_past_its_timeout_
     warm = WarmProbes(_functions(hang=True), 2, SETUP, {}, 15)
     started = time.monotonic()
     try:
-        with pytest.raises(SetupError) as caught:
+        with pytest.raises(FreshRunError) as caught:
             warm.probe(8)
     finally:
         warm.close()

@@ -7,7 +7,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import tfmem_widgets
-from tfmem_widgets.errors import SetupError
+from tfmem_widgets.errors import ArgumentError, SetupError
 from tfmem_widgets.notebook.widgets import Gauge, MapViewer, SetupPanel
 from tfmem_widgets.readings.sampler import sampler
 from tfmem_widgets.tf.devices import PhysicalGpu
@@ -194,7 +194,7 @@ def test_gauge_settings_are_traits_that_take_effect_and_refuse_bad_values_where_
         assert gauge.interval == 0.1
         gauge.device = "cpu"  # normalized as the magic's -d is
         assert gauge.device == "CPU:0" and repr(gauge).splitlines()[1].startswith("  CPU:0")
-        with pytest.raises(SetupError, match="no device 'GPU:7'"):
+        with pytest.raises(ArgumentError, match="no device 'GPU:7'"):
             gauge.device = "GPU:7"
         assert gauge.device == "CPU:0"
     finally:
@@ -209,10 +209,10 @@ def test_the_map_viewers_allocator_is_a_trait(lab_session):
             x = tf.zeros((1024,))
     viewer = MapViewer(t)
     assert viewer.allocator == "bfc_cpu_allocator_for_gpu"
-    with pytest.raises(SetupError, match="no events of allocator"):
+    with pytest.raises(ArgumentError, match="no events of allocator"):
         viewer.allocator = "GPU_7_bfc"
     assert viewer.allocator == "bfc_cpu_allocator_for_gpu" and viewer.current_map is not None
-    with pytest.raises(SetupError, match="no events of allocator"):
+    with pytest.raises(ArgumentError, match="no events of allocator"):
         MapViewer(t, "GPU_7_bfc")
     del x
 
@@ -289,7 +289,7 @@ def test_a_gpu_panel_reads_its_limit_slider_and_says_when_a_search_ran_in_lab_mo
     assert "memory_limit=" in panel.code.value  # the chosen limit is what Apply would run
     panel.search = _search(lab=True)
     assert "ran in lab mode (CPU kernels)" in panel.fits.value
-    with pytest.raises(SetupError):
+    with pytest.raises(ArgumentError):
         panel.search = "not a search"
 
 

@@ -14,7 +14,7 @@ only possible before its runtime starts, so nothing here may start it early.
 After %load_ext, an OOM in any cell is explained under its traceback (last_oom()).
 """
 
-from .errors import FreshRunError, NvmlUnavailable, SetupError, TraceDataError
+from .errors import ArgumentError, FreshRunError, NvmlUnavailable, SetupError, StateError, TfmemError, TraceDataError
 from .fresh.run import FreshRun, run_fresh
 from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
@@ -35,11 +35,17 @@ watch_runtime_start()  # remember what TensorFlow reads when its runtime starts 
 
 __version__ = "0.1.0"
 __all__ = [
+    "TfmemError",
+    "ArgumentError",
+    "SetupError",
+    "StateError",
+    "TraceDataError",
+    "NvmlUnavailable",
+    "FreshRunError",
     "AllocatorMap",
     "Chunk",
     "Region",
     "Trace",
-    "TraceDataError",
     "load_memory_dump",
     "parse_bfc_dump",
     "trace",
@@ -49,12 +55,9 @@ __all__ = [
     "StepPlan",
     "plan",
     "FreshRun",
-    "FreshRunError",
-    "NvmlUnavailable",
     "run_fresh",
     "Measurement",
     "MemoryReport",
-    "SetupError",
     "SetupResult",
     "measure",
     "report",

@@ -1,25 +1,40 @@
-"""Every exception type the package raises, in one place.
+"""Every exception type the package raises, in one place, named for what happened.
 
-Each message is one line: what was wrong and what to do instead.
+Each is a TfmemError and also the built-in a Python user would catch: a bad value is a ValueError,
+a state that forbids the call is a RuntimeError. Each message is one line: what was wrong and what
+to do instead.
 """
 
 
-class SetupError(ValueError):
-    """A request that was refused before anything changed.
-
-    The message is one line: what was wrong and what to do instead.
-    """
+class TfmemError(Exception):
+    """The base of every error tfmem_widgets raises."""
 
 
-class TraceDataError(SetupError):
-    """A trace file or dump that cannot be read; the message says which and why."""
+class ArgumentError(TfmemError, ValueError):
+    """A bad argument to a function or a magic (a wrong type, a value out of range, a combination
+    that admits no answer); nothing was changed."""
 
 
-class NvmlUnavailable(RuntimeError):
+class SetupError(TfmemError, ValueError):
+    """A device setup that breaks TensorFlow's rules or this machine's facts (a GPU that is not
+    there, growth with logical devices, a limit over the card); nothing was changed."""
+
+
+class TraceDataError(TfmemError, ValueError):
+    """A trace file or dump that cannot be read (damaged, cut short, of another kind); the message
+    says which and why."""
+
+
+class StateError(TfmemError, RuntimeError):
+    """A state that forbids the call: a trace inside a trace, a block entered twice, a setup after
+    TensorFlow's runtime started, TensorFlow's profiler already running, a result not made yet."""
+
+
+class NvmlUnavailable(TfmemError, RuntimeError):
     """NVML cannot be used on this machine; the message says why in one line."""
 
 
-class FreshRunError(RuntimeError):
+class FreshRunError(TfmemError, RuntimeError):
     """The code raised, or the process died, in the fresh process (its output was shown).
 
     how: how the process ended, in words ('raised ValueError', 'was killed by SIGABRT (signal 6)');

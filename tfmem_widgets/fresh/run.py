@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import FreshRunError, SetupError
+from ..errors import ArgumentError, FreshRunError, SetupError, StateError
 from ..tf.options import OPTION_NAMES, SETUP_ENV_VARS, SETUP_OPTIONS
 from .transport import decode, read_result, write_job
 
@@ -56,6 +56,9 @@ class FreshRun:
         names = ", ".join(self.values) or "nothing"
         return f"FreshRun(exit {self.returncode}, returned {names})"
 
+
+# The classes a child's setup may refuse with, by name (the child writes its refusal's class name).
+_REFUSALS = {kind.__name__: kind for kind in (ArgumentError, SetupError, StateError)}
 
 QUIET_TAIL_CHARS = 1 << 20  # what is kept of the output of a process run with echo=False
 
@@ -114,9 +117,9 @@ def check_timeout(timeout, no_limit: str = "None") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
-        raise SetupError(f"timeout must be a number of seconds, or {no_limit} for no limit; got {timeout!r}.")
+        raise ArgumentError(f"timeout must be a number of seconds, or {no_limit} for no limit; got {timeout!r}.")
     if timeout < 0.01:
-        raise SetupError(f"timeout must be at least 0.01 seconds ({no_limit}: no limit); got {timeout!r}.")
+        raise ArgumentError(f"timeout must be at least 0.01 seconds ({no_limit}: no limit); got {timeout!r}.")
     return float(timeout)
 
 
@@ -126,17 +129,17 @@ def check_request(setup: Mapping[str, Any] | None, env: Mapping[str, str] | None
     if setup is None:
         return None
     if not isinstance(setup, Mapping):
-        raise SetupError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
+        raise ArgumentError(f"setup must be a dict of tfmem_widgets.setup() options, got {setup!r}.")
     unknown = [key for key in setup if key not in OPTION_NAMES]
     if unknown:
-        raise SetupError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(OPTION_NAMES)}.")
+        raise ArgumentError(f"unknown setup option {unknown[0]!r}: setup takes {', '.join(OPTION_NAMES)}.")
     from ..tf.options import SetupRequest
 
     request = SetupRequest(**setup)  # the values, checked as setup() checks them (the machine's rules: in the child)
     for option in SETUP_OPTIONS:  # --env may not set what a setup option writes too
         clash = [name for name in option.env if setup.get(option.name) is not None and name in (env or {})]
         if clash:
-            raise SetupError(f"{clash[0]} is set in env and by the setup option {option.name}: give one of them.")
+            raise ArgumentError(f"{clash[0]} is set in env and by the setup option {option.name}: give one of them.")
     return {key: value for key, value in vars(request).items() if value is not None}
 
 
@@ -176,20 +179,21 @@ def run_fresh(
     echo:    print the child's output here as it comes
     path:    folders to import from first in the child (e.g. where a module of the notebook's is)
 
-    Raises SetupError when the setup is refused (here or by the child), FreshRunError when the
-    code raises, a value cannot come back, or the process dies or runs past `timeout` seconds.
+    Raises ArgumentError for a malformed argument, SetupError when the setup is refused (here or by
+    the child), FreshRunError when the code raises, a value cannot come back, or the process dies
+    or runs past `timeout` seconds.
 
     >>> run = run_fresh("import tensorflow as tf\\nx = tf.zeros((256,))\\npeak = ...",
     ...                 setup={"lab_mb": 64}, returns=["peak"])
     >>> run.values["peak"]
     """
     if not isinstance(code, str):
-        raise SetupError(f"code must be the cell's text, got {type(code).__name__}.")
+        raise ArgumentError(f"code must be the cell's text, got {type(code).__name__}.")
     if isinstance(returns, str):
-        raise SetupError(f"returns must be a list of names, got the text {returns!r}: use [{returns!r}].")
+        raise ArgumentError(f"returns must be a list of names, got the text {returns!r}: use [{returns!r}].")
     bad = [name for name in returns if not str(name).isidentifier()]
     if bad:
-        raise SetupError(f"returns must be Python names; {bad[0]!r} is not one.")
+        raise ArgumentError(f"returns must be Python names; {bad[0]!r} is not one.")
     return run_checked(code, setup=check_request(setup, env), env=env, returns=returns, timeout=check_timeout(timeout),
                        echo=echo, path=path)
 
@@ -240,8 +244,8 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
         if errors and echo:
             sys.stderr.write(errors)
         result = read_result(work_dir)
-        if "setup_error" in result:
-            raise SetupError(result["setup_error"])
+        if "setup_error" in result:  # refused by the child's machine: the class it raised there
+            raise _REFUSALS.get(result.get("setup_error_class"), SetupError)(result["setup_error"])
         if proc.returncode != 0 or "values" not in result:
             if timed_out and "values" not in result:
                 why = f"ran past {timeout:g} s and was stopped, with every process it started"

@@ -34,7 +34,8 @@ def tell_batch(path: Path, batch: int) -> None:
 
 
 def write_result(work_dir: Path, **result) -> None:
-    """The child's outcome: values=[names], error=<exception name>, or setup_error=<its line>."""
+    """The child's outcome: values=[names], error=<exception name>, or setup_error=<its line> with
+    setup_error_class=<the refusal's class in tfmem_widgets.errors>."""
     (work_dir / "result.json").write_text(json.dumps(result))
 
 

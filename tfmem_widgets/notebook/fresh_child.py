@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import SetupError
+from ..errors import TfmemError
 from ..fresh.transport import CheckedPickler, encode, read_job, write_result
 
 
@@ -29,8 +29,8 @@ def main(work: str) -> int:
 
         try:
             setup(**job["setup"])
-        except SetupError as exc:
-            write_result(work_dir, setup_error=str(exc))
+        except TfmemError as exc:  # a setup this machine refuses (its rules, its devices)
+            write_result(work_dir, setup_error=str(exc), setup_error_class=type(exc).__name__)
             return 2
 
     from IPython.core.interactiveshell import InteractiveShell

@@ -12,7 +12,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import SetupError, TraceDataError
+from ..errors import ArgumentError, TraceDataError
 from ..plans.need import StepNeed
 from ..readings.fit_context import FitContext
 from ..readings.layers import OPTIMIZER_STATE, PARAMETERS
@@ -122,7 +122,7 @@ def explain_path(path: str | os.PathLike, each: bool = False):
     if text is not None and looks_like_oom_log(text):
         return explain_text(text, each)
     if text is not None and not text.strip():
-        raise SetupError(f"explain_oom: {os.fspath(path)} is empty; pass an error, a dump file's path or a log.")
+        raise ArgumentError(f"explain_oom: {os.fspath(path)} is empty; pass an error, a dump file's path or a log.")
     dump = load_memory_dump(Path(path)) if len(data) == os.stat(path).st_size else _dump_of_bytes(data, path)
     report = report_from_dump(dump, f"TensorFlow's dump of {dump.allocator}", dump.failed_request_bytes,
                               dump_path=str(path),
@@ -290,18 +290,18 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
     if model is not None or sample is not None or batch_size is not None:
         if model is None or sample is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                 or batch_size < 1:
-            raise SetupError("explain_oom: model, sample and batch_size go together (the fit's compiled model, "
-                             f"(x, y) and its batch, a whole number of at least 1); got batch_size {batch_size!r}"
-                             + ("" if model is not None else ", no model") + ("" if sample is not None else ", no sample")
-                             + ".")
+            raise ArgumentError("explain_oom: model, sample and batch_size go together (the fit's compiled model, "
+                                f"(x, y) and its batch, a whole number of at least 1); got batch_size {batch_size!r}"
+                                + ("" if model is not None else ", no model") + ("" if sample is not None else ", no sample")
+                                + ".")
         if not isinstance(source, BaseException):
-            raise SetupError("explain_oom: model, sample and batch_size apply to an error raised in this process, "
-                             f"not to {type(source).__name__}.")
+            raise ArgumentError("explain_oom: model, sample and batch_size apply to an error raised in this process, "
+                                f"not to {type(source).__name__}.")
         fit = FitContext(model, batch_size, sample)
     if isinstance(source, BaseException):
         if not is_oom(source):
-            raise SetupError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
-                             "ResourceExhaustedError, a dump file's path or a log's text.")
+            raise ArgumentError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
+                                "ResourceExhaustedError, a dump file's path or a log's text.")
         report = explained(source, with_need(explain_exception(source), fit))
         return [report] if each else report
     if isinstance(source, bytes):
@@ -309,11 +309,11 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if not text.strip():
-            raise SetupError("explain_oom: got an empty text; pass an error, a dump file's path or a log's text.")
+            raise ArgumentError("explain_oom: got an empty text; pass an error, a dump file's path or a log's text.")
         if isinstance(source, str) and ("\n" in text or looks_like_oom_log(text)):
             return explain_text(text, each)
         if not Path(text).exists():
-            raise SetupError(f"explain_oom: no file {text!r}, and it is not a log's text; pass an error, a dump "
-                             "file's path or a log's text.")
+            raise ArgumentError(f"explain_oom: no file {text!r}, and it is not a log's text; pass an error, a dump "
+                                "file's path or a log's text.")
         return explain_path(text, each)
-    raise SetupError(f"explain_oom: got {type(source).__name__}; pass an error, a dump file's path or a log's text.")
+    raise ArgumentError(f"explain_oom: got {type(source).__name__}; pass an error, a dump file's path or a log's text.")

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 
-from ..errors import SetupError, TraceDataError
+from ..errors import ArgumentError, TraceDataError
 
 # Where an episode begins: the allocator's refusal before its dump (its non-fatal warnings name no
 # rounded size), or XLA's own words where a log has no refusal lines.
@@ -49,8 +49,8 @@ def read_log(path: str | os.PathLike) -> str | bytes:
             if not regular:
                 data = handle.read(SPECIAL_FILE_BYTES + 1)
                 if len(data) > SPECIAL_FILE_BYTES:
-                    raise SetupError(f"explain_oom: {os.fspath(path)} is not a regular file and gives more than "
-                                     f"{SPECIAL_FILE_BYTES >> 20} MiB; save the log to a file and pass that.")
+                    raise ArgumentError(f"explain_oom: {os.fspath(path)} is not a regular file and gives more than "
+                                        f"{SPECIAL_FILE_BYTES >> 20} MiB; save the log to a file and pass that.")
                 return data
             head = handle.read(4096)
             if info.st_size <= STREAM_ABOVE_BYTES or not _is_text(head):

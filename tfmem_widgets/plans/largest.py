@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 from .hlo import told_apart, widths_of
 from .plan import StepPlan, plan, slots_shared_by_fit
 from .scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
@@ -77,7 +77,7 @@ class _Plans:
             try:
                 planned = plan(self.model, self.sample, batch)
                 shared = slots_shared_by_fit(self.model, planned) if self.fit.builds_slots else ()
-            except SetupError as exc:  # (an autotuner without room)
+            except ArgumentError as exc:  # (an autotuner without room)
                 self.notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return None
             self.by_batch[batch] = replace(planned, fit_start=self.fit.start, shared_slots=shared)
@@ -145,10 +145,10 @@ class _Plans:
         if first is None and start > low:
             refused, start, first = start, low, self.at(low)
         if first is None:
-            raise SetupError(self.notes[-1] if self.notes else "plan: the step could not be planned.")
+            raise ArgumentError(self.notes[-1] if self.notes else "plan: the step could not be planned.")
         self.limit = first.limit_bytes if limit_bytes is None else limit_bytes
         if self.limit is None:
-            raise SetupError("the device's limit is not known: pass limit_bytes.")
+            raise ArgumentError("the device's limit is not known: pass limit_bytes.")
         lo, hi = (start, refused) if self.fits(start) else (None, start)
         if lo is None and start > low:
             lo, hi = (low, start) if self.fits(low) else (None, low)
@@ -249,7 +249,7 @@ def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolutio
         if batch not in plans:
             try:
                 plans[batch] = planner(model, sample, batch)
-            except SetupError as exc:
+            except ArgumentError as exc:
                 notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
                 return False
         return plans[batch].fits(limit_bytes, held(plans[batch]), regions)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 from ..readings.fit_context import FitContext
 from ..units import format_bytes
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
@@ -95,7 +95,7 @@ EARLY_SECONDS = 15.0  # an early plan's search stops after this long: the cell i
 def cpu_copy(model):
     """The model rebuilt on the CPU for planning: its layers from its config (weights made anew,
     never copied), compiled the way it was. A model Keras cannot rebuild from its config raises
-    SetupError."""
+    ArgumentError."""
     import keras
     import tensorflow as tf
 
@@ -107,10 +107,10 @@ def cpu_copy(model):
                 copy.compile_from_config(config)
     except Exception as exc:  # a subclassed model without get_config, a custom compile
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise SetupError(f"plan: the model could not be rebuilt on the CPU to plan it ({type(exc).__name__}: "
-                         f"{first})") from None
+        raise ArgumentError(f"plan: the model could not be rebuilt on the CPU to plan it ({type(exc).__name__}: "
+                            f"{first})") from None
     if getattr(copy, "optimizer", None) is None:
-        raise SetupError("plan: the model's copy on the CPU has no optimizer (a compile Keras cannot repeat)")
+        raise ArgumentError("plan: the model's copy on the CPU has no optimizer (a compile Keras cannot repeat)")
     return copy
 
 
@@ -139,7 +139,7 @@ def from_cpu_copy(fit: FitContext, device: str, limit_bytes: int | None, *, seco
     started = time.perf_counter()
     try:
         copy = cpu_copy(fit.model)
-    except SetupError as exc:
+    except ArgumentError as exc:
         return StepNeed(fit.batch_size, limit_bytes=limit, note=str(exc).removeprefix("plan: "))
     growth = allocator_growth().get(allocator_of_device(device), True)
 
@@ -171,7 +171,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     started = time.perf_counter()
     try:
         failing = plan(fit.model, fit.sample, fit.batch_size)
-    except SetupError as exc:
+    except ArgumentError as exc:
         return StepNeed(fit.batch_size, note=f"the step could not be planned: {str(exc).removeprefix('plan: ')}")
     limit = failing.limit_bytes if limit_bytes is None else limit_bytes
     if limit is None:

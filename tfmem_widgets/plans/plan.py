@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..errors import SetupError
+from ..errors import ArgumentError, StateError
 from ..readings.layers import LayerAnatomy, remember_program
 from ..text import LinesText
 from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
@@ -147,7 +147,7 @@ class StepPlan(LinesText):
         from bisect import bisect_left, insort
 
         if not pool.complete:
-            raise SetupError("this map's layout before its trace began is unknown (a trace started after "
+            raise StateError("this map's layout before its trace began is unknown (a trace started after "
                              "earlier work): its free chunks cannot be told; trace from the process's start.")
         free = sorted(c.size for c in pool.chunks if not c.in_use)
         limit = limit_bytes if limit_bytes is not None else (pool.limit_bytes or self.limit_bytes)
@@ -210,7 +210,7 @@ class StepPlan(LinesText):
     def _limit(self, limit_bytes: int | None) -> int:
         limit = self.limit_bytes if limit_bytes is None else limit_bytes
         if limit is None:
-            raise SetupError("this plan knows no limit of its device: pass limit_bytes.")
+            raise ArgumentError("this plan knows no limit of its device: pass limit_bytes.")
         return int(limit)
 
     # -- text and picture ------------------------------------------------------------------
@@ -323,7 +323,7 @@ def batch_specs(sample, batch_size: int):
             if dtype.is_floating and dtype.name != keras.config.floatx():
                 dtype = tf.as_dtype(keras.config.floatx())
         if shape.rank is None or shape.rank == 0:
-            raise SetupError(f"plan: each part of the sample needs a leading (batch) axis; one has shape {shape}.")
+            raise ArgumentError(f"plan: each part of the sample needs a leading (batch) axis; one has shape {shape}.")
         return tf.TensorSpec([batch_size, *shape.as_list()[1:]], dtype)
 
     return keras.tree.map_structure(spec, sample)
@@ -417,10 +417,10 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     from .owners import Owners, parameter_owners
 
     if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
-        raise SetupError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
-                         + ("" if not isinstance(model, keras.Model) else " with no optimizer (compile it first)") + ".")
+        raise ArgumentError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
+                            + ("" if not isinstance(model, keras.Model) else " with no optimizer (compile it first)") + ".")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise SetupError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
+        raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)
@@ -428,8 +428,8 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         proto, concrete, trace_s, compile_s, scopes = _compile(model, specs, device)
     except Exception as exc:  # TensorFlow's own words, in one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise SetupError(f"plan: XLA could not compile the step at batch {batch_size:,} ({type(exc).__name__}: "
-                         f"{first}).") from None
+        raise ArgumentError(f"plan: XLA could not compile the step at batch {batch_size:,} ({type(exc).__name__}: "
+                            f"{first}).") from None
     allocations = hlo.allocations(proto)
     flat_specs = [s for s in keras.tree.flatten(specs) if s is not None]
     per_run = sorted((a for a in allocations if a.kind in hlo.PER_RUN), key=lambda a: -a.size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import SetupError
+from ..errors import StateError
 from ..tf.runtime import tensorflow
 
 _lock = threading.RLock()
@@ -20,7 +20,7 @@ def read_allocator(device: str) -> tuple[int, int]:
     try:
         info = tf.config.experimental.get_memory_info(device)
     except ValueError as exc:
-        raise SetupError(
+        raise StateError(
             f"TensorFlow keeps no allocator figures for {device} ({exc}); for the CPU, restart "
             "and run `%tfmem setup --lab 1024` first, so its allocator is the BFC allocator."
         ) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import SetupError
+from ..errors import StateError
 from ..tf.devices import resolve_device
 from ..tf.lab import lab_limit_bytes
 from ..tf.runtime import runtime_started, tensorflow
@@ -120,7 +120,7 @@ class measure:
     def __enter__(self) -> Measurement:
         m = self.result
         if m in _active or m.done:
-            raise SetupError("this measure() block has already run; make a new one for each block.")
+            raise StateError("this measure() block has already run; make a new one for each block.")
         with _lock:
             if not runtime_started():
                 # Reading would start the runtime (and end the chance to set devices up). A

@@ -12,7 +12,7 @@ from html import escape
 
 import psutil
 
-from ..errors import SetupError
+from ..errors import StateError
 from ..text import LinesText
 from ..tf import nvml
 from ..tf.devices import LogicalDevice, PhysicalGpu, logical_devices, physical_gpus
@@ -166,7 +166,7 @@ def _reading(device: LogicalDevice, started: bool, lab_limit: int | None) -> Dev
         peak = process_peak(device.name, peak)
         if device.device_type == "CPU" and lab_limit is None:
             note = "not lab mode: small tensors may be left out"
-    except SetupError:
+    except StateError:
         in_use = peak = None
         note = "no allocator figures outside lab mode"
     return DeviceReading(device.name, limit, source, in_use, peak, note)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import SetupError
+from ..errors import ArgumentError, StateError
 from ..tf import nvml
 from ..tf.devices import logical_devices, physical_gpus
 from ..tf.lab import lab_limit_bytes
@@ -34,10 +34,10 @@ def check_interval(interval) -> float:
     import numbers
 
     if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
-        raise SetupError(f"the interval must be a number of seconds, got {interval!r}.")
+        raise ArgumentError(f"the interval must be a number of seconds, got {interval!r}.")
     value = float(interval)
     if not MIN_INTERVAL <= value <= MAX_INTERVAL:
-        raise SetupError(
+        raise ArgumentError(
             f"the interval must be between {MIN_INTERVAL:g} and {MAX_INTERVAL:g} seconds, got {interval!r}."
         )
     return value
@@ -150,7 +150,7 @@ def read_sample(background: bool = False) -> Sample:
                 try:
                     in_use, peak = read_allocator(name)
                     peak = process_peak(name, peak)
-                except SetupError:
+                except StateError:
                     in_use = peak = None
                 devices.append(DeviceSample(name, in_use, peak, parts["limits"].get(name)))
             nvml_indices = parts["nvml"]

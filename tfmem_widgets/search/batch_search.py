@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SetupError
+from ..errors import ArgumentError, StateError
 from ..text import LinesText
 from ..units import MiB, format_bytes
 from .next_probe import next_batch, settle_recommended
@@ -69,7 +69,7 @@ class BatchSearch(LinesText):
         """More probes of the same functions and setup, each in a fresh process (a batch near the
         edge, say); they join `probes`, so `largest`, `edge`, the plot and the warnings follow."""
         if self._run is None:
-            raise SetupError("this search has no functions to probe with: make it with max_batch_size.")
+            raise StateError("this search has no functions to probe with: make it with max_batch_size.")
         batches = [check_count("batch", b, 1) for b in batches]
         with self._probing() as probe_one:  # (no process started to wait after the last)
             return [probe_one(batch, ahead=i < len(batches) - 1) for i, batch in enumerate(batches)]
@@ -343,7 +343,7 @@ class BatchSearch(LinesText):
 def check_count(name: str, value, least: int, who: str = "max_batch_size") -> int:
     """A whole number of at least `least` (low, high, steps, a probe's batch), or one line."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise SetupError(f"{who + ': ' if who else ''}{name} must be a whole number of at least {least}, got {value!r}.")
+        raise ArgumentError(f"{who + ': ' if who else ''}{name} must be a whole number of at least {least}, got {value!r}.")
     return int(value)
 
 
@@ -351,7 +351,7 @@ def check_fraction(name: str, value, top: float, who: str = "max_batch_size") ->
     """A number from 0 to under `top` (margin, resolution), or one line."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < top \
             or not math.isfinite(value):
-        raise SetupError(f"{who + ': ' if who else ''}{name} must be a number from 0 to under {top:g}, got {value!r}.")
+        raise ArgumentError(f"{who + ': ' if who else ''}{name} must be a number from 0 to under {top:g}, got {value!r}.")
     return float(value)
 
 
@@ -399,7 +399,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     max_probes = check_count("max_probes", max_probes, 2)
     if progress not in (None, False, "lines", "bar") and not all(
             callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
-        raise SetupError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
+        raise ArgumentError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
                          f"probed() and done(), got {progress!r}.")
     bar = progress_for(progress, max_probes)
     past: list[int] = []
@@ -428,26 +428,26 @@ def _new_search(build_model, make_batch, setup, env, *, low, high, steps, margin
 
     if not callable(build_model) or not callable(make_batch):
         bad = "build_model" if not callable(build_model) else "make_batch"
-        raise SetupError(f"max_batch_size: {bad} must be a function, got {type(locals()[bad]).__name__}.")
+        raise ArgumentError(f"max_batch_size: {bad} must be a function, got {type(locals()[bad]).__name__}.")
     low, high = check_count("low", low, 1), check_count("high", high, 1)
     if low > high:
-        raise SetupError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
+        raise ArgumentError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
     steps = check_count("steps", steps, 1)
     margin = check_fraction("margin", margin, 1)
     resolution = check_fraction("resolution", resolution, 0.5)
     if resolution == 0:
-        raise SetupError("max_batch_size: resolution must be above 0 (a fraction of the batch, e.g. 0.01).")
+        raise ArgumentError("max_batch_size: resolution must be above 0 (a fraction of the batch, e.g. 0.01).")
     timeout = check_timeout(probe_timeout)
     setup = check_request(setup, env)  # checked once here; each probe's process applies it to its machine
     env = {str(k): str(v) for k, v in (env or {}).items()}
     if method not in ("auto", "plan", "probe"):
-        raise SetupError(f"max_batch_size: method must be 'auto', 'plan' or 'probe', got {method!r}.")
+        raise ArgumentError(f"max_batch_size: method must be 'auto', 'plan' or 'probe', got {method!r}.")
     try:
         import cloudpickle
 
         functions = cloudpickle.dumps((build_model, make_batch))
     except Exception as exc:
-        raise SetupError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
+        raise ArgumentError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
                          f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
                          "or a module.") from None
     return BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
@@ -476,7 +476,7 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
             if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
                 what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
                         else f"a batch of {low:,} does not fit")
-                raise SetupError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
+                raise ArgumentError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
                                  f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
                                  f"; {search.where}): raise the limit or make the model smaller.")
             batch = next_batch(search, past, probe_past)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import SetupError
+from ..errors import TfmemError
 from ..units import format_bytes
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
@@ -51,7 +51,7 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
         bar.probing(len(search.probes) + 1, aim)
         try:
             done = probe_one(aim, ahead=ahead)
-        except SetupError as exc:  # (a probe's own failure: the search's edge stands)
+        except TfmemError as exc:  # (a probe's own failure: the search's edge stands)
             search.notes.append(f"the margin's probes stopped: {exc}")
             break
         search.margin_probes += 1

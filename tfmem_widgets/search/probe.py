@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import SetupError
+from ..errors import ArgumentError, FreshRunError
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,8 @@ def cause_line(exc: BaseException) -> str:
 def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | None, env: dict,
                             timeout: float | None) -> Probe:
     """One probe in a fresh process set up with the (checked) `setup`; the kernel's last_oom() is left
-    alone. Raises SetupError when the user's functions cannot be probed or the probe ran too long."""
+    alone. Raises ArgumentError when the user's functions cannot be probed, FreshRunError when the probe
+    ran too long or its process died."""
     from ..fresh.run import run_checked
 
     started = time.perf_counter()
@@ -212,17 +213,16 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
         code, setup=setup, env=env, returns=["probe"], timeout=timeout, echo=False, remember_oom=False))
 
 
-def ran_past(batch: int, timeout: float) -> SetupError:
-    return SetupError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
-                      "with every process it started; raise probe_timeout or lower high.")
+def ran_past(batch: int, timeout: float) -> FreshRunError:
+    return FreshRunError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
+                         "with every process it started; raise probe_timeout or lower high.",
+                         how=f"ran past {timeout:g} s and was stopped", timed_out=True)
 
 
 def probe_outcome(batch: int, timeout: float | None, started: float, run, ended: float | None = None) -> Probe:
     """The Probe that run() (a probe's run_checked) leaves, its seconds counted from `started` to
-    `ended` (its process's end; None: now); a SetupError where the functions could not be probed or the
-    process failed otherwise."""
-    from ..errors import FreshRunError
-
+    `ended` (its process's end; None: now). Raises ArgumentError where the functions could not be probed,
+    FreshRunError where the process failed otherwise."""
     try:
         done = run()
     except FreshRunError as exc:
@@ -237,8 +237,9 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run, ended:
         if exc.timed_out:
             raise ran_past(batch, timeout) from None
         said = f"; it last wrote: {exc.last_words}" if exc.last_words else "; it wrote nothing"
-        raise SetupError(f"max_batch_size: the probe at batch {batch:,} failed: its process {exc.how}{said}.") from None
+        raise FreshRunError(f"max_batch_size: the probe at batch {batch:,} failed: its process {exc.how}{said}.",
+                            how=exc.how, raised=exc.raised, last_words=exc.last_words) from None
     value = done.values["probe"]
     if isinstance(value, ProbeRefused):
-        raise SetupError(f"max_batch_size: {value.message}.")
+        raise ArgumentError(f"max_batch_size: {value.message}.")
     return replace(value, seconds=(ended or time.perf_counter()) - started)  # the process's start counted too

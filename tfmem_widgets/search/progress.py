@@ -4,7 +4,7 @@ layer's bar is such an object, the default while the extension is loaded (its fr
 
 from __future__ import annotations
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 from ..frontend import frontend
 from ..units import format_bytes
 from .probe import Probe
@@ -43,7 +43,7 @@ def progress_for(progress, most: int):
         shown_by = frontend().progress  # a notebook's bar, while the extension is loaded
         shown = shown_by(most, progress == "bar") if shown_by is not None else None
         if shown is None and progress == "bar":
-            raise SetupError("max_batch_size: progress='bar' is a notebook widget: load the extension first "
-                             "(%load_ext tfmem_widgets), or pass progress='lines'.")
+            raise ArgumentError("max_batch_size: progress='bar' is a notebook widget: load the extension first "
+                                "(%load_ext tfmem_widgets), or pass progress='lines'.")
         return shown or LineProgress()
     return progress

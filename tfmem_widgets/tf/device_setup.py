@@ -170,9 +170,9 @@ def setup(
     """Set TensorFlow's devices up, checked against its rules first; all or nothing.
 
     Call it before any TensorFlow work. Without a GPU and with no arguments it turns on
-    lab mode (TensorFlow's real BFC allocator on the CPU, 1024 MB). Raises SetupError
-    (one line: what is wrong and what to do) and changes nothing when a rule is broken
-    or the runtime has already started.
+    lab mode (TensorFlow's real BFC allocator on the CPU, 1024 MB). Changes nothing and
+    raises (one line: what is wrong and what to do) ArgumentError for a malformed option,
+    SetupError when a rule is broken, StateError when the runtime has already started.
 
     >>> tfmem_widgets.setup(lab_mb=256)            # any machine: the real allocator, 256 MB
     >>> tfmem_widgets.setup(growth=True)           # every GPU grows its pool on demand

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 from .runtime import tensorflow
 
 
@@ -90,7 +90,7 @@ _DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORE
 def resolve_device(device: str | None) -> LogicalDevice:
     """Turn 'gpu', '/GPU:1', '/device:CPU:0' or None (first GPU, else CPU) into a device.
 
-    Raises SetupError naming the devices that exist when it is not one of them.
+    Raises ArgumentError naming the devices that exist when it is not one of them.
     """
     devices = logical_devices()
     if device is None:
@@ -104,7 +104,7 @@ def resolve_device(device: str | None) -> LogicalDevice:
             if candidate.name == wanted:
                 return candidate
     names = ", ".join(d.name for d in devices)
-    raise SetupError(
+    raise ArgumentError(
         f"no device {device!r} in this process: TensorFlow's devices are {names}; "
         f"pass one of them (e.g. {devices[-1].name!r})."
     )

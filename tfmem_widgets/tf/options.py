@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from ..errors import SetupError
+from ..errors import ArgumentError
 
 # TensorFlow's environment variables that setup writes (it reads each once, when its runtime starts).
 LAB_USE_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # lab mode: the CPU allocator becomes the BFC allocator
@@ -44,9 +44,9 @@ def _whole(value):
 
 def _positive(name: str, value, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SetupError(f"{name} must be a whole number of MB, got {value!r}.")
+        raise ArgumentError(f"{name} must be a whole number of MB, got {value!r}.")
     if value < 0 or (value == 0 and not allow_zero):
-        raise SetupError(f"{name} must be a positive number of MB, got {value}.")
+        raise ArgumentError(f"{name} must be a positive number of MB, got {value}.")
     return value
 
 
@@ -61,9 +61,9 @@ def parse_mb(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise SetupError(f"expected a whole number of MB, got {text!r}") from None
+        raise ArgumentError(f"expected a whole number of MB, got {text!r}") from None
     if value <= 0:
-        raise SetupError(f"expected a positive number of MB, got {text!r}")
+        raise ArgumentError(f"expected a positive number of MB, got {text!r}")
     return value
 
 
@@ -72,9 +72,9 @@ def parse_count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise SetupError(f"expected a count (1, 2, ...), got {text!r}") from None
+        raise ArgumentError(f"expected a count (1, 2, ...), got {text!r}") from None
     if value < 1:
-        raise SetupError(f"expected a count of at least 1, got {text!r}")
+        raise ArgumentError(f"expected a count of at least 1, got {text!r}")
     return value
 
 
@@ -84,7 +84,7 @@ def parse_mb_or_zero(text: str) -> int:
 
 def parse_gpu_index(text: str) -> int:
     if not text.strip().isdigit():
-        raise SetupError(f"expected a GPU index (0, 1, ...), got {text!r}")
+        raise ArgumentError(f"expected a GPU index (0, 1, ...), got {text!r}")
     return int(text)
 
 
@@ -96,7 +96,7 @@ def parse_limit(text: str) -> int | dict[int, int]:
     for part in text.split(","):
         index, sep, mb = part.partition("=")
         if not sep:
-            raise SetupError(f"expected GPU=MB pairs like 0=4096,1=2048, got {text!r}")
+            raise ArgumentError(f"expected GPU=MB pairs like 0=4096,1=2048, got {text!r}")
         limits[parse_gpu_index(index)] = parse_mb(mb)
     return limits
 
@@ -107,7 +107,7 @@ def parse_split(text: str) -> int | list[int]:
         return [parse_mb(part) for part in text.split(",")]
     count = parse_count(text)
     if count > MAX_SPLIT_COUNT:
-        raise SetupError(
+        raise ArgumentError(
             f"{count} logical devices is more than {MAX_SPLIT_COUNT}: list sizes with commas "
             f"(--split {count},{count}) or give one limit with --limit {count}"
         )
@@ -212,9 +212,9 @@ class SetupRequest:
             object.__setattr__(self, name, _whole(getattr(self, name)))
         # Values are checked here, where they live; combinations in plan_setup.
         if self.growth is not None and not isinstance(self.growth, bool):
-            raise SetupError(f"growth must be True or False, got {self.growth!r}.")
+            raise ArgumentError(f"growth must be True or False, got {self.growth!r}.")
         if self.force_growth is not None and not isinstance(self.force_growth, bool):
-            raise SetupError(f"force_growth must be True or False, got {self.force_growth!r}.")
+            raise ArgumentError(f"force_growth must be True or False, got {self.force_growth!r}.")
         if isinstance(self.limit_mb, Mapping):
             for index, mb in self.limit_mb.items():
                 _positive(f"limit for GPU {index}", mb)
@@ -222,22 +222,22 @@ class SetupRequest:
             _positive("limit_mb", self.limit_mb)
         if isinstance(self.split, int) and not isinstance(self.split, bool):
             if self.split < 1:
-                raise SetupError(f"split must be a count of at least 1 or a list of sizes in MB, got {self.split}.")
+                raise ArgumentError(f"split must be a count of at least 1 or a list of sizes in MB, got {self.split}.")
         elif self.split is not None:
             if isinstance(self.split, (str, bytes)) or not isinstance(self.split, Sequence) or not self.split:
-                raise SetupError(f"split must be a count or a non-empty list of sizes in MB, got {self.split!r}.")
+                raise ArgumentError(f"split must be a count or a non-empty list of sizes in MB, got {self.split!r}.")
             for mb in self.split:
                 _positive("each size in split", mb)
         if self.gpus is not None:
             if isinstance(self.gpus, (str, bytes)) or not isinstance(self.gpus, Sequence):
-                raise SetupError(f"gpus must be a list of GPU indices, got {self.gpus!r}.")
+                raise ArgumentError(f"gpus must be a list of GPU indices, got {self.gpus!r}.")
             for index in self.gpus:
                 if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                    raise SetupError(f"gpus must list GPU indices (0, 1, ...), got {index!r}.")
+                    raise ArgumentError(f"gpus must list GPU indices (0, 1, ...), got {index!r}.")
             if len(set(self.gpus)) != len(self.gpus):
-                raise SetupError(f"gpus lists a GPU twice: {list(self.gpus)}.")
+                raise ArgumentError(f"gpus lists a GPU twice: {list(self.gpus)}.")
         if self.allocator is not None and self.allocator not in ALLOCATORS:
-            raise SetupError(
+            raise ArgumentError(
                 f"unknown allocator {self.allocator!r}: choose 'bfc' or 'cuda_malloc_async'."
             )
         if self.lab_mb is not None:
@@ -246,7 +246,7 @@ class SetupRequest:
             _positive("reserve_mb", self.reserve_mb, allow_zero=True)
         if self.cpus is not None:
             if isinstance(self.cpus, bool) or not isinstance(self.cpus, int) or self.cpus < 1:
-                raise SetupError(f"cpus must be a count of at least 1, got {self.cpus!r}.")
+                raise ArgumentError(f"cpus must be a count of at least 1, got {self.cpus!r}.")
 
     def is_empty(self) -> bool:
         return all(getattr(self, name) is None for name in self.__dataclass_fields__)

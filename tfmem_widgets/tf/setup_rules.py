@@ -2,8 +2,8 @@
 
 ``plan_setup(request, state)`` checks a request against the rules TensorFlow enforces
 (python/eager/context.py) and the ones it does not enforce but silently gets wrong, and
-returns the steps to take, or raises SetupError with one line: what is wrong and what
-to do. It reads nothing and changes nothing itself, so both ``%tfmem setup`` and the setup
+returns the steps to take, or raises SetupError (StateError once the runtime has started)
+with one line: what is wrong and what to do. It reads nothing and changes nothing itself, so both ``%tfmem setup`` and the setup
 panel ask it, and tests can hand it any machine's state.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import SetupError
+from ..errors import SetupError, StateError
 from ..units import MiB, format_bytes
 from .devices import PhysicalGpu
 from .lab import lab_setting
@@ -139,7 +139,7 @@ def plan_setup(request: SetupRequest, state: DeviceState) -> SetupPlan:
     _check_sizes(request, state, targets, notes)
     steps = _steps(request, state, visible, targets, notes)
     if state.runtime_started and steps:
-        raise SetupError(_too_late(steps[0], request, state))
+        raise StateError(_too_late(steps[0], request, state))
     lab_now = lab_setting(state.env)
     lab_mb = request.lab_mb
     if lab_mb is None and lab_now.enabled:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SetupError, TraceDataError
+from ..errors import ArgumentError, StateError, TraceDataError
 from ..readings.fit_context import FitSpotter
 from ..tf import dump_place
 from ..tf.allocator import has_text_dump
@@ -67,9 +67,9 @@ class trace:
 
     def __init__(self, keep: str | Path | None = None):
         if keep is not None and not isinstance(keep, (str, os.PathLike)):
-            raise SetupError(f"keep must be a folder's path, got {keep!r}.")
+            raise ArgumentError(f"keep must be a folder's path, got {keep!r}.")
         if keep is not None and not str(keep).strip():
-            raise SetupError("keep must name a folder, got an empty path.")
+            raise ArgumentError("keep must name a folder, got an empty path.")
         self.keep = None if keep is None else Path(keep).expanduser()
         self.result: Trace | None = None
         self._held = False  # the one-trace lock
@@ -90,9 +90,9 @@ class trace:
     # -- entering: each step undone if a later one fails (or Ctrl-C comes) ----------------
     def __enter__(self) -> Trace:
         if self._held or self.result is not None:
-            raise SetupError("this trace() block has already run; make a new one for each block.")
+            raise StateError("this trace() block has already run; make a new one for each block.")
         if not _active.acquire(blocking=False):
-            raise SetupError("a trace is already running: traces cannot nest (TensorFlow runs one profiler per process).")
+            raise StateError("a trace is already running: traces cannot nest (TensorFlow runs one profiler per process).")
         self._held = True
         try:
             self.result = Trace._running()
@@ -106,7 +106,7 @@ class trace:
     def _start(self) -> None:
         env = setup_env()
         if env.get(GPU_ALLOCATOR_ENV) == "cuda_malloc_async" and lab_limit_bytes() is None:
-            raise SetupError(
+            raise StateError(
                 "TF_GPU_ALLOCATOR=cuda_malloc_async: GPU memory is CUDA's pool, not TensorFlow's BFC "
                 "allocator, so there are no chunks to trace; %%tfmem measures it."
             )
@@ -138,7 +138,7 @@ class trace:
             profiler_start(self._logdir, options=profiler_options())
         except Exception as exc:
             self._profiling = False  # not ours to stop: another profiler may be running
-            raise SetupError(f"TensorFlow's profiler did not start ({type(exc).__name__}: "
+            raise StateError(f"TensorFlow's profiler did not start ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); is another profiler running?") from None
 
     def _make_logdir(self) -> str:
@@ -149,7 +149,7 @@ class trace:
             # A folder of this trace's own: an earlier trace's files in `keep` are never read.
             return tempfile.mkdtemp(prefix=time.strftime("trace-%Y%m%d-%H%M%S-"), dir=self.keep)
         except OSError as exc:
-            raise SetupError(
+            raise ArgumentError(
                 f"cannot keep the trace in {str(self.keep)!r}: {exc.strerror or exc}; name a folder you can write to."
             ) from None
 

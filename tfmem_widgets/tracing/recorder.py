@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from ..errors import SetupError
+from ..errors import ArgumentError, StateError
 from .profiler import TRACE_LOCK, profiler_options, profiler_start, profiler_stop, running_recorder, set_recorder
 
 _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50 ms
@@ -25,7 +25,7 @@ _SLACK_NS = 50_000_000  # the profiler's start and the wall clock, matched to 50
 def check_window(window) -> float:
     """A window's length: seconds between 1 and 3600 (the magic's --window and the API)."""
     if isinstance(window, bool) or not isinstance(window, (int, float)) or not (1 <= window <= 3600):
-        raise SetupError(f"record: window is seconds between 1 and 3600, got {window!r}.")
+        raise ArgumentError(f"record: window is seconds between 1 and 3600, got {window!r}.")
     return float(window)
 
 
@@ -61,7 +61,7 @@ class Recorder:
             self._logdir = None
             if not isinstance(exc, Exception):
                 raise
-            raise SetupError(f"the recorder could not start TensorFlow's profiler ({type(exc).__name__}: "
+            raise StateError(f"the recorder could not start TensorFlow's profiler ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); is another profiler or trace running?"
                              ) from None
         self._profiling = True
@@ -149,7 +149,7 @@ class Recorder:
     # -- life ------------------------------------------------------------------------------
     def start(self) -> Recorder:
         if TRACE_LOCK.locked():
-            raise SetupError("a trace is running: the recorder starts after it (one profiler per process).")
+            raise StateError("a trace is running: the recorder starts after it (one profiler per process).")
         with self._lock:
             self._start_window()
         self._thread = threading.Thread(target=self._run, name="tfmem-recorder", daemon=True)

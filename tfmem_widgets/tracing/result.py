@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SetupError, TraceDataError
+from ..errors import ArgumentError, StateError, TraceDataError
 from ..tf.messages import OomInfo
 from ..units import format_bytes
 from .allocator_map import AllocatorMap, Chunk
@@ -92,7 +92,7 @@ class Trace:
 
     def _check_done(self) -> None:
         if self._events is None:
-            raise SetupError("the trace has no result until its block has ended.")
+            raise StateError("the trace has no result until its block has ended.")
 
     # -- which allocator ---------------------------------------------------------------
     @property
@@ -124,7 +124,7 @@ class Trace:
         name = self._name(allocator)
         events = self._events[name]
         if not -len(events) <= index < len(events):
-            raise SetupError(f"index={index} is outside this trace: {name} has events 0 to {len(events) - 1}.")
+            raise ArgumentError(f"index={index} is outside this trace: {name} has events 0 to {len(events) - 1}.")
         return self._replay(name, index % len(events))
 
     def pool_bytes_after_each_event(self, allocator: str | None = None) -> np.ndarray | None:
@@ -174,7 +174,7 @@ class Trace:
                 return self.oom.allocator
             return self.allocators[0]
         if allocator not in self._events:
-            raise SetupError(f"no events of allocator {allocator!r} in this trace; it has {', '.join(self.allocators)}.")
+            raise ArgumentError(f"no events of allocator {allocator!r} in this trace; it has {', '.join(self.allocators)}.")
         return allocator
 
     def events(self, allocator: str | None = None) -> AllocatorEvents:
@@ -203,7 +203,7 @@ class Trace:
 
         whole = isinstance(at, numbers.Integral) and not isinstance(at, bool)
         if not (at is None or whole or (isinstance(at, str) and at == "peak")):
-            raise SetupError(f"at must be an event's index (an int), 'peak' or None, got {at!r}.")
+            raise ArgumentError(f"at must be an event's index (an int), 'peak' or None, got {at!r}.")
         name = self._name(allocator, dump_ok=at is None)
         if name not in self._events:
             dump = self._dump_of(name)
@@ -228,7 +228,7 @@ class Trace:
         else:
             index = int(at)
             if not -len(events) <= index < len(events):
-                raise SetupError(f"at={at} is outside this trace: {name} has events 0 to {len(events) - 1}.")
+                raise ArgumentError(f"at={at} is outside this trace: {name} has events 0 to {len(events) - 1}.")
             index %= len(events)
         notes = () if self._is_fresh(name) else (
             "traced after earlier work: chunks from before the trace are counted, not drawn",)
@@ -291,7 +291,7 @@ class Trace:
         """The rebuilt fragmentation after every event (a trace from the first allocation)."""
         name = self._name(allocator)
         if not self._is_fresh(name):
-            raise SetupError(
+            raise StateError(
                 f"{name} was traced after earlier work: its pool's layout before the trace is unknown, "
                 "so fragmentation can only be TensorFlow's own figure (events(...).fragmentation)."
             )

@@ -88,9 +88,9 @@ class Gauge(FullTextForm, w.VBox):
     def __init__(self, interval: float = DEFAULT_INTERVAL, device: str | None = None, **kwargs):
         interval = check_interval(interval)  # refused before any widget or thread exists
         if device is not None and not isinstance(device, str):
-            from ...errors import SetupError
+            from ...errors import ArgumentError
 
-            raise SetupError(f"device must be a device's name such as 'GPU:0', got {device!r}.")
+            raise ArgumentError(f"device must be a device's name such as 'GPU:0', got {device!r}.")
         self._token = None
         self._lock = threading.Lock()
         super().__init__(**kwargs)

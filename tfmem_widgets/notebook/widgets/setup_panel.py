@@ -11,7 +11,7 @@ from html import escape
 
 import ipywidgets as w
 
-from ...errors import SetupError
+from ...errors import ArgumentError, TfmemError
 from ...tf.device_setup import current_state, setup
 from ...tf.lab import lab_limit_bytes
 from ...tf.options import DEFAULT_LAB_MB, SetupRequest, parse_split
@@ -158,8 +158,8 @@ class SetupPanel(FullTextForm, w.VBox):
         from ...search.batch_search import BatchSearch
 
         if search is not None and not isinstance(search, BatchSearch):
-            raise SetupError(f"search must be what max_batch_size returns (a BatchSearch), got "
-                             f"{type(search).__name__}.")
+            raise ArgumentError(f"search must be what max_batch_size returns (a BatchSearch), got "
+                                f"{type(search).__name__}.")
         self._search = search
         if search is not None:
             start = search.recommended or search.largest or search.low
@@ -279,14 +279,14 @@ class SetupPanel(FullTextForm, w.VBox):
 
     # -- the request the controls describe ------------------------------------------------
     def request(self) -> SetupRequest:
-        """The controls as a SetupRequest (raises SetupError on a malformed field)."""
+        """The controls as a SetupRequest (raises ArgumentError on a malformed field)."""
         split_text = self.split.value.strip()
         split = None
         if split_text:
             try:
                 split = parse_split(split_text)  # the rule %tfmem setup --split follows
-            except SetupError as exc:
-                raise SetupError(f"logical devices: {exc}; a count (2) or sizes in MB (2048,2048).") from None
+            except ArgumentError as exc:
+                raise ArgumentError(f"logical devices: {exc}; a count (2) or sizes in MB (2048,2048).") from None
         has_gpu = bool(self.state.gpus)
         current_visible = tuple(g.index for g in self.state.gpus if g.visible)
         return SetupRequest(
@@ -307,7 +307,7 @@ class SetupPanel(FullTextForm, w.VBox):
         try:
             request = self.request()
             plan = plan_setup(request, self.state)
-        except SetupError as exc:
+        except TfmemError as exc:  # a malformed field, a rule broken, a runtime started: said in the panel
             self.message.value = f"<span class='tfmem-conflict' style='color:#b00'>&#9888; {escape(str(exc))}</span>"
             self.code.value = ""
             self.apply_button.disabled = True
@@ -339,7 +339,7 @@ class SetupPanel(FullTextForm, w.VBox):
         """Run the setup the controls describe; the result (or refusal) is shown below."""
         try:
             result = setup(**vars(self.request()))
-        except SetupError as exc:
+        except TfmemError as exc:
             self.result.value = f"<span style='color:#b00'>{escape(str(exc))}</span>"
             return None
         self.result.value = f"<pre>{escape(repr(result))}</pre>"

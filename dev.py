@@ -4,7 +4,7 @@
     python3 dev.py lab     # JupyterLab on notebooks/ (lab mode where there is no GPU)
     python3 dev.py test    # ruff, then pytest: unit, magic, fresh-process and notebook (nbval) tests
     python3 dev.py record  # re-run the notebooks in place, storing their outputs for nbval
-    python3 dev.py bench   # the figures README quotes (benchmarks/*.py)
+    python3 dev.py bench   # the figures docs/measurements.md quotes (benchmarks/*.py)
 
 Needs only Python 3.10+. Extra arguments go to jupyter lab / pytest. On a machine where
 `nvidia-smi` answers, TensorFlow's CUDA libraries are installed too (extra 'gpu').

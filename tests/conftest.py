@@ -110,7 +110,7 @@ def _gpu_available() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-# The tier of each test file (README: `python3 dev.py test -m "not slow"` for a fast loop).
+# The tier of each test file (docs/development.md: `python3 dev.py test -m "not slow"` for a fast loop).
 TIERS = {
     "test_setup_rules.py": "unit", "test_units_and_reserve.py": "unit", "test_xplane_wire.py": "unit",
     "test_nvml_here.py": "unit", "test_damaged_files.py": "process", "test_environment.py": "process",
@@ -121,7 +121,7 @@ TIERS = {
     "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
     "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
-    "test_errors.py": "magic",
+    "test_errors.py": "magic", "test_readme.py": "process",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

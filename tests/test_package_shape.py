@@ -51,6 +51,11 @@ def _imports(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
+def _folders() -> list[Path]:
+    """The package's folders that hold code (a folder left with only __pycache__ after a move is none)."""
+    return [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
+
+
 def _folder(module: str) -> str | None:
     """The folder of ORDER a module is in; None for the face and the ground."""
     parts = module.split(".")
@@ -162,7 +167,7 @@ def test_modules_are_short_and_few_at_the_top_and_each_folder_says_what_it_decid
     assert {m: n for m, n in lengths.items() if n > 500} == {}
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 10, top
-    for folder in (p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    for folder in _folders():
         init = folder / "__init__.py"
         assert init.exists(), folder
         doc = ast.get_docstring(ast.parse(init.read_text()))
@@ -195,7 +200,7 @@ def test_there_is_no_import_cycle():
 
 
 def test_each_folder_imports_only_the_folders_before_it():
-    assert sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ORDER)
+    assert sorted(p.name for p in _folders() if p.parent == PACKAGE) == sorted(ORDER)
     assert _order_violations(_imports()) == []
 
 

@@ -159,6 +159,43 @@ def test_a_step_without_xla_is_an_estimate_a_too_big_one_does_not_fit_and_bad_in
     assert "leading (batch) axis" in out["refused"][3]
 
 
+ABORTS = """
+import json, keras, numpy as np, tensorflow as tf
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=64)
+inputs = keras.Input((256, 16))
+scores = keras.layers.MultiHeadAttention(num_heads=8, key_dim=4, name="attn")(inputs, inputs)  # (batch, 8, 256, 256)
+model = keras.Model(inputs, keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D()(scores)))
+model.compile("adam", "mse", jit_compile=False)  # a graph step: TensorFlow's own kernels
+sample = (np.ones((2, 256, 16), "float32"), np.ones((2, 1), "float32"))
+rows = {}
+for batch in (4095, 4096):
+    planned = tfmem_widgets.plan(model, sample, batch)
+    rows[batch] = dict(risks=[[r.tensor.op, r.tensor.layer, list(r.shape), r.elements] for r in planned.abort_risks],
+                       below=planned.largest_batch_before_abort, fits=planned.fits(1 << 50), text=repr(planned))
+model.jit_compile = True  # the same step as one XLA program: 64-bit indexing
+xla = tfmem_widgets.plan(model, sample, 4096)
+print(json.dumps(dict(rows=rows, xla=[len(xla.abort_risks), xla.fits(1 << 50)],
+                      held=tf.config.experimental.get_memory_info("CPU:0")["peak"])))
+"""
+
+
+def test_a_graph_step_past_2_to_the_31_elements_is_foreseen_as_an_abort_from_specs_alone():
+    # The attention scores of 4,096 rows, 8 heads and 256 tokens hold 2^31 elements: TensorFlow's GPU kernels
+    # count them in 32 bits and the process aborts. In lab mode the plan names them, allocating nothing.
+    out = run_fresh(ABORTS, timeout=600)
+    below, at = out["rows"]["4095"], out["rows"]["4096"]
+    assert below["risks"] == [] and below["fits"] and below["below"] == 4095 and "ABORTS" not in below["text"]
+    assert not at["fits"] and at["below"] == 4095
+    first = at["risks"][0]
+    assert first[1] == "attn" and first[2] == [4096, 8, 256, 256] and first[3] == 2**31
+    assert any(op.startswith("gradient_tape/") for op, *_ in at["risks"])  # the backward pass's too
+    assert "ABORTS on a GPU" in at["text"] and "a batch of at most 4,095" in at["text"]
+    assert "a GPU kernel's limit" in at["text"]  # planned on a CPU, said for the card it may train on
+    assert out["xla"] == [0, True]
+    assert out["held"] < 1 * MiB  # the model's variables; the 24 GiB step was never allocated
+
+
 def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
     build_model, make_batch = search_functions(jit=True)
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tfmem_widgets.plans import largest as plan_search
+from tfmem_widgets.plans.aborts import BigTensor
 from tfmem_widgets.plans.hlo import told_apart, widths_of
 from tfmem_widgets.plans.largest import _aim_by_shapes, largest_below, largest_planned_batch
 from tfmem_widgets.plans.plan import StepPlan
@@ -119,3 +120,37 @@ def test_where_nothing_fails_by_a_plans_shapes_the_next_aim_is_sixteen_times_it_
     plans = {509: made_up(509, scaled)}  # unscaled: a profile that read every buffer as fixed
     aim = _aim_by_shapes(plans, 509, None, 1 << 20, 11, lambda p: p.fits(LIMIT))
     assert aim == (6000 if scaled else 16 * 509)
+
+
+# A graph step (jit_compile=False) whose attention scores are (batch, 8, 256, 256): 2^31 elements at 4,096 rows.
+SCORES = BigTensor("model/attn/einsum/Einsum", "Einsum", "model/attn", "forward activations", (509, 8, 256, 256),
+                   509, 0)
+KERNEL = BigTensor("gradient_tape/model/head/MatMul", "MatMul", "model/head", "backward", (1024, 1024), 509, None)
+
+
+def test_a_graph_steps_tensor_of_2_to_the_31_elements_is_an_abort_at_its_first_batch_and_not_one_below():
+    graph = replace(made_up(509), jit_compile=False, big_tensors=(SCORES, KERNEL))
+    below, at = replace(graph, batch_size=4095), replace(graph, batch_size=4096)
+    assert below.abort_risks == [] and below.fits(LIMIT * 1000)
+    [risk] = at.abort_risks
+    assert (risk.shape, risk.elements) == ((4096, 8, 256, 256), 2**31) and not at.fits(LIMIT * 1000)
+    assert graph.largest_batch_before_abort == 4095 == at.largest_batch_before_abort
+    text = repr(at)
+    assert "model/attn/einsum/Einsum (Einsum; model/attn, forward activations): shape [4096, 8, 256, 256], " \
+           "2,147,483,648 elements" in text and "a batch of at most 4,095, or compile with jit_compile=True" in text
+    # one XLA program indexes in 64 bits: nothing aborts
+    xla = replace(at, jit_compile=True)
+    assert xla.abort_risks == [] and xla.largest_batch_before_abort is None and "ABORTS" not in repr(xla)
+
+
+def test_a_plan_search_answers_below_the_batch_whose_graph_step_aborts(monkeypatch):
+    calls = []
+
+    def plan(model, sample, batch):
+        calls.append(batch)
+        return replace(made_up(batch), jit_compile=False, big_tensors=(SCORES, KERNEL), limit_bytes=LIMIT * 1000)
+
+    monkeypatch.setattr(plan_search, "plan", plan)
+    found = largest_planned_batch(MODEL, None, LIMIT * 1000, low=1, high=65536)
+    assert found.aborts_from == 4096 and max(calls) <= 4095 and found.batch <= 4095
+    assert found.batch >= 4095 * 0.98 and any("from batch 4,096" in note for note in found.notes)

@@ -41,6 +41,9 @@ class PlanSearch:
     # plan, so that batch cannot train, probe or not. None where the pool's regions or an autotuner decide.
     proven_failure: int | None = None
     proven_bytes: int | None = None
+    # The first batch whose graph step makes a tensor of 2^31 elements (plans/aborts.py: the process aborts on a
+    # GPU): nothing at or above it was planned, nor is it to be probed. None: no such batch up to `high`.
+    aborts_from: int | None = None
 
 
 # The first plan's batch (or `low`, where that is more): a prime, so its batch axis is told from a layer's width
@@ -68,6 +71,7 @@ class _Plans:
         self.by_batch: dict[int, StepPlan] = {}
         self.notes: list[str] = []
         self.limit: int | None = None
+        self.aborts_from: int | None = None
         self.widths = widths_of(model)  # the weights' (an optimizer's slots, built by the first plan, are shaped so)
         self.needs = _least_limits(fit.held)
 
@@ -149,6 +153,11 @@ class _Plans:
         self.limit = first.limit_bytes if limit_bytes is None else limit_bytes
         if self.limit is None:
             raise ArgumentError("the device's limit is not known: pass limit_bytes.")
+        below = first.largest_batch_before_abort
+        if below is not None and below < self.high:  # no batch past it: the graph step would abort
+            self.high, self.aborts_from = max(below, low), below + 1
+            self.notes.append(f"from batch {below + 1:,} the step makes a tensor of 2^31 elements, which TensorFlow's "
+                              "own GPU kernels cannot count (the process aborts): batches from there were not planned")
         lo, hi = (start, refused) if self.fits(start) else (None, start)
         if lo is None and start > low:
             lo, hi = (low, start) if self.fits(low) else (None, low)
@@ -171,6 +180,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     started = time.perf_counter()
     plans = _Plans(model, sample, fit, resolution, high)
     first, lo, hi = plans.first(low, high, limit_bytes)
+    high = plans.high  # (below the first batch whose graph step aborts)
     step = plans.step
     aim = None
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
@@ -194,6 +204,7 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     need = plans.proven(plans.by_batch.get(hi)) if hi is not None else None
     if need is not None:
         found.proven_failure, found.proven_bytes = hi, need
+    found.aborts_from = plans.aborts_from
     return found
 
 

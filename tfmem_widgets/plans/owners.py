@@ -148,3 +148,11 @@ class Owners:
                 key, _ = self._walk(named, self._operands, lambda o: self._variable(o.id))
             phase = phase or OTHER
         return (key, phase) if key is not None else (UNATTRIBUTED, OTHER)
+
+    def of_op(self, op_name: str) -> tuple[str, str]:
+        """(key, phase) of a TensorFlow op of the traced step, by the scope Keras entered for it."""
+        key, phase = self._scope_of(op_name)
+        if key is None:
+            head = op_name.split("/", 2)[1 if op_name.startswith("gradient_tape/") else 0]
+            key = f"({head})" if phase == UPDATE else f"(op {head})"
+        return key, phase or OTHER

@@ -26,7 +26,7 @@ from ..text import LinesText
 from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..tf.devices import xla_autotune_level
 from ..units import MiB, format_bytes
-from . import hlo
+from . import aborts, hlo
 
 
 @dataclass(repr=False)
@@ -74,6 +74,9 @@ class StepPlan(LinesText):
     # step, after the step's own allocations. A GPU's first step was traced asking for its own allocations
     # alone: a search sets these for plans on the CPU only (search/plan_first.py).
     shared_slots: tuple[tuple[int, ...], ...] = ()
+    # the step's largest tensors as its graph makes them (plans/aborts.py): where its ops run as TensorFlow's own
+    # kernels (jit_compile=False), one of 2^31 elements or more aborts the process on a GPU
+    big_tensors: tuple = ()
 
     @property
     def same_program_anywhere(self) -> bool:
@@ -85,6 +88,17 @@ class StepPlan(LinesText):
     def estimate(self) -> bool:
         """The model runs its step without XLA: the plan is the XLA program's, not the one fit runs."""
         return self.jit_compile is not True
+
+    @property
+    def abort_risks(self) -> list:
+        """The step's tensors of 2^31 elements or more where its ops run as TensorFlow's own kernels (not one
+        XLA program): on a GPU each aborts the process (its kernels count elements in 32 bits). AbortRisks."""
+        return [] if self.jit_compile is True else aborts.risks_at(self.big_tensors, self.batch_size)
+
+    @property
+    def largest_batch_before_abort(self) -> int | None:
+        """The largest batch whose graph step makes no tensor of 2^31 elements (None: no such bound, or XLA)."""
+        return None if self.jit_compile is True else aborts.largest_batch_under(self.big_tensors)
 
     @property
     def peak_bytes(self) -> int:
@@ -178,8 +192,8 @@ class StepPlan(LinesText):
         a graph step, which asks for each tensor apart where XLA asks for its temporaries as one buffer
         (None: as the step runs)."""
         limit = self._limit(limit_bytes)
-        if self.peak_bytes + self.first_step_bytes + sum(held) > limit:
-            return False
+        if self.abort_risks or self.peak_bytes + self.first_step_bytes + sum(held) > limit:
+            return False  # (a tensor past 2^31 elements aborts the step at any limit)
         if regions is None:
             regions = not self.estimate
         return not regions or self.take_in_fresh_pool(limit, held) is not None
@@ -244,6 +258,7 @@ class StepPlan(LinesText):
                    "(whole chunks under its no-split rule)"
                    + (f"; in a fresh process's {'growing' if self.growth else 'preallocated'} pool "
                       f"{format_bytes(take)}" if take is not None else ""))
+        out += self._abort_lines()
         out.append(f"  compiled in {self.compile_seconds:.1f} s (traced in {self.trace_seconds:.1f} s); "
                    f"XLA_FLAGS {self.xla_flags or 'unset'}; autotuning: {self.autotuning}")
         if len(self.layers):
@@ -257,34 +272,27 @@ class StepPlan(LinesText):
         out += [f"  note: {n}" for n in self.notes]
         return out
 
+    def _abort_lines(self) -> list[str]:
+        risks = self.abort_risks
+        if not risks:
+            return []
+        below = self.largest_batch_before_abort
+        where = "" if self.device.startswith("GPU") else f" (a GPU kernel's limit: on {self.device} the step runs)"
+        out = [f"  ABORTS on a GPU{where}: {len(risks)} tensor(s) of the step reach 2^31 elements; TensorFlow's own "
+               "GPU kernels count elements in 32 bits and the process dies (SIGABRT), memory or not:"]
+        out += [f"    {risk.line()}" for risk in risks[:6]]
+        if len(risks) > 6:
+            out.append(f"    ... and {len(risks) - 6} more")
+        fix = f"a batch of at most {below:,}, or " if below is not None and below < self.batch_size else ""
+        out.append(f"  what to do: {fix}compile with jit_compile=True (an XLA program indexes in 64 bits)")
+        return out
+
     def plot(self, ax=None, limit_bytes: int | None = None, top: int = 8):
         """The step's peak against the limit (resident, batch, step, and the worst take), and the
-        step's largest owners by layer."""
-        import matplotlib.pyplot as plt
+        step's largest owners by layer (views/plans.py)."""
+        from ..views.plans import plot_step_plan
 
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 3.4))
-        limit = self.limit_bytes if limit_bytes is None else limit_bytes
-        left = 0.0
-        for label, size, color in (("resident", self.resident_bytes, "#7f7f7f"), ("batch", self.batch_bytes, "#2ca02c"),
-                                   ("step", self.step_bytes, "#1f77b4")):
-            ax.barh(1, size / MiB, left=left, color=color, label=f"{label} {format_bytes(size)}")
-            left += size / MiB
-        extra = (self.worst_take_bytes - self.step_bytes) / MiB
-        if extra > 0:
-            ax.barh(1, extra, left=left, color="none", edgecolor="#1f77b4", hatch="//", label="up to the worst take")
-        left = 0.0
-        for k, (key, size) in enumerate(self.layers.items()[:top]):
-            ax.barh(0, size / MiB, left=left, color=f"C{k % 10}", edgecolor="white", label=f"{key} {format_bytes(size)}")
-            left += size / MiB
-        if limit:
-            ax.axvline(limit / MiB, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(limit)}")
-        ax.set_yticks([0, 1])
-        ax.set_yticklabels(["step by layer", "peak"])
-        ax.set_xlabel("MiB")
-        ax.set_title(f"train step at batch {self.batch_size:,}" + (" (estimate)" if self.estimate else ""))
-        ax.legend(loc="lower right", fontsize=7)
-        return ax
+        return plot_step_plan(self, ax, limit_bytes, top)
 
 
 def device_of(model) -> str:
@@ -435,6 +443,7 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     per_run = sorted((a for a in allocations if a.kind in hlo.PER_RUN), key=lambda a: -a.size)
     index = hlo.HloIndex(proto)
     owners = Owners(index, scopes, parameter_owners(model, concrete, len(flat_specs)))
+    big = aborts.graph_tensors(concrete.graph, batch_size, owners.of_op)
     rows: dict[str, dict[str, int]] = {}
     for allocation in per_run:
         if allocation.kind == hlo.TEMP:
@@ -471,7 +480,7 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
-        weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]))
+        weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big)
 
 
 def slots_shared_by_fit(model, planned: StepPlan) -> tuple[tuple[int, ...], ...]:

@@ -165,6 +165,7 @@ def _plans(search, probe_one, progress, auto: bool):
         search.plans = found.plans
         search.notes.extend(found.notes)
         search.plan_answer = found.batch
+        search.planned_failure = found.aborts_from  # a graph step that aborts there: no batch from it is the answer
     return found, early
 
 
@@ -195,7 +196,13 @@ def _confirm(search, found, probe_one, progress, probe, max_probes: int) -> str:
 
     answer = found.batch
     step = _step_of(search, answer)
-    proven = found.proven_failure
+    proven, aborts = found.proven_failure, found.aborts_from
+    if aborts is not None and answer < aborts <= answer + step:
+        proven, why = aborts, (f"batch {aborts:,} was not probed: at it the step makes a tensor of 2^31 elements, "
+                               "which TensorFlow's own GPU kernels cannot count (the process aborts)")
+    elif proven is not None:
+        why = (f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} by its bytes alone, "
+               f"over the {format_bytes(found.limit_bytes)} limit (a step never takes less than its plan)")
     past = min(search.high, answer + step)
     last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
     pair = getattr(probe_one, "pair", None)
@@ -209,12 +216,9 @@ def _confirm(search, found, probe_one, progress, probe, max_probes: int) -> str:
     if probe(answer, ahead=not last or margin):
         if answer >= search.high:
             return DONE
-        if last:
-            # no probe past the answer: the plan there needs more than the limit by its bytes alone
-            search.planned_failure = proven
-            search.notes.append(f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} "
-                                f"by its bytes alone, over the {format_bytes(found.limit_bytes)} limit (a step never "
-                                "takes less than its plan)")
+        if last:  # no probe past the answer: its plan fails whatever the process (its bytes, or an abort)
+            search.planned_failure = min(b for b in (search.planned_failure, proven) if b)
+            search.notes.append(why)
             return DONE
         return UP if probe(past, ahead=margin) else DONE  # trained too: the plans were low
     return _step_down(search, answer, step, probe, max_probes)

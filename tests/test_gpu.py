@@ -6,11 +6,15 @@ which run on every CUDA build; the Keras fits need cuBLAS. Written for any numbe
 any card size (read from NVML). Skipped where TensorFlow sees no GPU.
 """
 
+import signal
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions
+from tfmem_widgets.fresh.run import child_environment
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -549,3 +553,39 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     assert recommended is not None and 0.5 * failure <= recommended <= 0.8 * failure
     assert search.trained_at(recommended) >= 2 and 2 <= search.margin_probes <= 4
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
+
+
+ATTENTION_AT = """
+import json
+import keras, numpy as np
+inputs = keras.Input((256, 32))
+scores = keras.layers.MultiHeadAttention(num_heads=8, key_dim=8, name="attn")(inputs, inputs)  # (batch, 8, 256, 256)
+model = keras.Model(inputs, keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D()(scores)))
+model.compile("adam", "mse", jit_compile=False)  # TensorFlow's own GPU kernels, op by op
+"""
+
+
+def test_a_graph_step_at_2_to_the_31_elements_is_foreseen_by_its_plan_and_aborts_a_real_fit():
+    # The plans at 4,095 and 4,096 rows (scores of 2^31 elements at 4,096), then each batch fitted in a process
+    # of its own: 4,095 trains, 4,096 dies in TensorFlow's check (SIGABRT), as the plan said, memory or not.
+    planned = fresh(ATTENTION_AT + """
+sample = (np.ones((2, 256, 32), "float32"), np.ones((2, 1), "float32"))
+plans = {b: tfmem_widgets.plan(model, sample, b) for b in (4095, 4096)}
+print(json.dumps({b: dict(risks=len(p.abort_risks), fits=p.fits(), below=p.largest_batch_before_abort,
+                          text=repr(p)) for b, p in plans.items()}))
+""", env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"})
+    print(planned["4096"]["text"])
+    assert planned["4095"]["risks"] == 0 and planned["4095"]["fits"] and planned["4096"]["below"] == 4095
+    assert planned["4096"]["risks"] > 0 and not planned["4096"]["fits"] and "ABORTS on a GPU:" in planned["4096"]["text"]
+    fitted = {}
+    for batch in (4095, 4096):
+        code = ATTENTION_AT + f"""
+model.fit(np.ones(({batch}, 256, 32), "float32"), np.ones(({batch}, 1), "float32"), batch_size={batch}, epochs=1,
+          verbose=0)
+print("trained")
+"""
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env=child_environment())
+        fitted[batch] = (done.returncode, done.stdout.strip().splitlines()[-1:] , done.stderr[-2000:])
+    assert fitted[4095][:2] == (0, ["trained"]), fitted[4095][2]
+    assert fitted[4096][0] == -signal.SIGABRT and "Check failed" in fitted[4096][2], fitted[4096]

@@ -24,9 +24,13 @@ def pytest_runtest_setup(item):
     if not type(item).__module__.startswith("nbval"):
         yield
         return
+    from tfmem_widgets.tf import device_setup
     from tfmem_widgets.tf.options import SETUP_ENV_VARS
+    from tfmem_widgets.tf.runtime import ONEDNN_ENV
 
-    saved = {name: os.environ.pop(name) for name in SETUP_ENV_VARS if name in os.environ}
+    # oneDNN's switch too where this process's lab setup made it (as a fresh process's environment drops it)
+    names = (*SETUP_ENV_VARS, *([ONEDNN_ENV] if device_setup.onednn_switched_off else []))
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:

@@ -61,6 +61,15 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.05)
     parser.add_argument("--no-xla", action="store_true")
     args = parser.parse_args()
+    from tfmem_widgets.tf import nvml
+
+    try:
+        gpus = nvml.read_gpus()
+    except tfmem_widgets.NvmlUnavailable:
+        gpus = []
+    if not gpus:
+        print("batch_search_gpu.py: needs an NVIDIA GPU (a logical device's limit); none here, so nothing was measured")
+        return
     JIT = not args.no_xla
     setup = {"limit_mb": args.limit}
     started = time.perf_counter()

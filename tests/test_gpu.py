@@ -558,10 +558,13 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
 ATTENTION_AT = """
 import json
 import keras, numpy as np
-inputs = keras.Input((256, 32))
-scores = keras.layers.MultiHeadAttention(num_heads=8, key_dim=8, name="attn")(inputs, inputs)  # (batch, 8, 256, 256)
-model = keras.Model(inputs, keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D()(scores)))
-model.compile("adam", "mse", jit_compile=False)  # TensorFlow's own GPU kernels, op by op
+L = keras.layers
+tokens = keras.Input((256,), dtype="int32")
+h = L.Embedding(1000, 512, name="embed")(tokens)
+h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=8, key_dim=64, name="attn")(h, h))
+h = L.LayerNormalization(name="ln2")(h + L.Dense(512, name="ffn_out")(L.Dense(2048, activation="relu", name="ffn_in")(h)))
+model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)))  # scores: (batch, 8, 256, 256)
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)  # op by op
 """
 
 
@@ -569,7 +572,7 @@ def test_a_graph_step_at_2_to_the_31_elements_is_foreseen_by_its_plan_and_aborts
     # The plans at 4,095 and 4,096 rows (scores of 2^31 elements at 4,096), then each batch fitted in a process
     # of its own: 4,095 trains, 4,096 dies in TensorFlow's check (SIGABRT), as the plan said, memory or not.
     planned = fresh(ATTENTION_AT + """
-sample = (np.ones((2, 256, 32), "float32"), np.ones((2, 1), "float32"))
+sample = (np.ones((2, 256), "int32"), np.ones((2,), "int64"))
 plans = {b: tfmem_widgets.plan(model, sample, b) for b in (4095, 4096)}
 print(json.dumps({b: dict(risks=len(p.abort_risks), fits=p.fits(), below=p.largest_batch_before_abort,
                           text=repr(p)) for b, p in plans.items()}))
@@ -580,12 +583,13 @@ print(json.dumps({b: dict(risks=len(p.abort_risks), fits=p.fits(), below=p.large
     fitted = {}
     for batch in (4095, 4096):
         code = ATTENTION_AT + f"""
-model.fit(np.ones(({batch}, 256, 32), "float32"), np.ones(({batch}, 1), "float32"), batch_size={batch}, epochs=1,
-          verbose=0)
+model.fit(np.ones(({batch}, 256), "int32"), np.ones(({batch},), "int64"), batch_size={batch}, epochs=1, verbose=0)
 print("trained")
 """
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                               env=child_environment())
         fitted[batch] = (done.returncode, done.stdout.strip().splitlines()[-1:] , done.stderr[-2000:])
+    print({batch: (code, [line for line in err.splitlines() if "Check failed" in line]) for batch, (code, _, err)
+           in fitted.items()})
     assert fitted[4095][:2] == (0, ["trained"]), fitted[4095][2]
     assert fitted[4096][0] == -signal.SIGABRT and "Check failed" in fitted[4096][2], fitted[4096]

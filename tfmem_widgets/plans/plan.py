@@ -278,8 +278,8 @@ class StepPlan(LinesText):
             return []
         below = self.largest_batch_before_abort
         where = "" if self.device.startswith("GPU") else f" (a GPU kernel's limit: on {self.device} the step runs)"
-        out = [f"  ABORTS on a GPU{where}: {len(risks)} tensor(s) of the step reach 2^31 elements; TensorFlow's own "
-               "GPU kernels count elements in 32 bits and the process dies (SIGABRT), memory or not:"]
+        out = [f"  ABORTS on a GPU{where}: {len(risks)} tensor(s) of the step reach 2^31 elements, more than TensorFlow's "
+               "own GPU kernels count in 32 bits: one that meets such a tensor ends the process (SIGABRT), memory or not:"]
         out += [f"    {risk.line()}" for risk in risks[:6]]
         if len(risks) > 6:
             out.append(f"    ... and {len(risks) - 6} more")

@@ -443,7 +443,7 @@ def test_a_batch_whose_plan_needs_more_than_the_limit_by_its_bytes_is_a_failure_
     assert search.edge == (3000, None)
     search.planned_failure = 3050
     assert (search.largest, search.first_failure, search.edge) == (3000, 3050, (3000, 3050))
-    assert search.failed == [] and "3,050 does not fit by its plan (not probed)" in repr(search)
+    assert search.failed == [] and "3,050 cannot train by its plan (not probed)" in repr(search)
     search.probes.append(Probe(3050, None, 2.0, "limit", 8 * MiB))  # probed after all: said as measured
     assert search.edge == (3000, 3050) and "3,050 ran out of memory" in repr(search)
 

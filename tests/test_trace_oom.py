@@ -72,8 +72,15 @@ out["a_largest_free"] = final.largest_free_bytes
 out["a_free"] = final.free_bytes
 out["a_ops_known"] = all(c.op for c in final.chunks if c.in_use and c.size > 256)
 out["a_log"] = a.log
-out["a_last_oom_is_the_traces"] = tfmem_widgets.last_oom() is a.oom_report is not None
-out["a_verdict"] = a.oom_report.verdict
+out["a_last_oom_is_the_traces"] = tfmem_widgets.last_oom() is a.oom_report() is not None
+out["a_verdict"] = a.oom_report().verdict
+import tempfile, os
+saved = os.path.join(tempfile.mkdtemp(), "a.json")
+a.to_json(saved)
+loaded = tfmem_widgets.Trace.load(saved)  # from its file: explained again, by its own map
+out["a_loaded_before"] = loaded.oom_report() is None and "verdict" not in repr(loaded)
+out["a_loaded_verdict"] = tfmem_widgets.explain_oom(loaded).verdict
+out["a_loaded_text_says_it"] = "verdict: " + a.oom_report().verdict in repr(loaded)
 out["a_text"] = repr(a)
 out["a_dump_chunks"] = chunks(dump)
 
@@ -179,6 +186,7 @@ def test_a_traced_oom_is_an_oom_its_verdict_and_fixes_shown_and_kept_as_last_oom
     out = outcomes[pattern]
     assert out["a_last_oom_is_the_traces"]
     assert out["a_verdict"] == "fragmentation"            # every pattern leaves holes, none big enough
+    assert out["a_loaded_before"] and out["a_loaded_verdict"] == "fragmentation" and out["a_loaded_text_says_it"]
     assert "  verdict: fragmentation" in out["a_text"] and "  fixes:" in out["a_text"]
 
 

@@ -277,7 +277,8 @@ def last_oom() -> OomReport | None:
 
 def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_size: int | None = None):
     """Explain an OOM: a ResourceExhaustedError caught in a script, the path of TensorFlow's
-    binary dump or of a log file, or a log's text pasted from a job. A log with several OOMs is
+    binary dump or of a log file, a log's text pasted from a job, or a Trace whose block ran out of memory
+    (one loaded from its file too). A log with several OOMs is
     explained OOM by OOM, each against its own dump: the last report, or (each=True) the list.
 
     model, sample, batch_size: the Keras fit an error of this process came from (its compiled model,
@@ -303,6 +304,13 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
             raise ArgumentError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "
                                 "ResourceExhaustedError, a dump file's path or a log's text.")
         report = explained(source, with_need(explain_exception(source), fit))
+        return [report] if each else report
+    if hasattr(source, "knows") and hasattr(source, "oom"):  # a Trace: its block's OOM, from its own map
+        if source.oom is None:
+            raise ArgumentError("explain_oom: this trace's block ended without an OOM; pass a trace that ran out "
+                                "of memory, an error, a dump file's path or a log's text.")
+        report = source.oom_report() or explain_trace(source)
+        source.keep_oom_report(report)
         return [report] if each else report
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")

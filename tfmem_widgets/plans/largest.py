@@ -157,7 +157,7 @@ class _Plans:
         if below is not None and below < self.high:  # no batch past it: the graph step would abort
             self.high, self.aborts_from = max(below, low), below + 1
             self.notes.append(f"from batch {below + 1:,} the step makes a tensor of 2^31 elements, which TensorFlow's "
-                              "own GPU kernels cannot count (the process aborts): batches from there were not planned")
+                              "own GPU kernels cannot count (the process aborts): the search stays below it")
         lo, hi = (start, refused) if self.fits(start) else (None, start)
         if lo is None and start > low:
             lo, hi = (low, start) if self.fits(low) else (None, low)
@@ -186,7 +186,8 @@ def largest_planned_batch(model, sample, limit_bytes: int | None = None, *, low:
     if lo is not None and (lo < high if hi is None else hi - lo > step(lo)):
         aim = plans.cleared(plans.next_aim(lo, hi, closing_plan), lo)
     while aim is not None and len(plans.by_batch) < max_plans:
-        if closing is not None and hi is not None and aim < high and hi - aim <= step(aim) and \
+        past_aborts = plans.aborts_from is not None and aim + step(aim) >= plans.aborts_from
+        if closing is not None and hi is not None and aim < high and hi - aim <= step(aim) and not past_aborts and \
                 plans.proven(plans.by_batch.get(hi)) is None:
             closing(aim)  # if it fits, it is the answer (and the batch past it is to be probed: not proven)
         if plans.fits(aim):

@@ -58,7 +58,7 @@ class BatchSearch(LinesText):
     lab: bool = False  # the probes ran in lab mode (CPU kernels), not on a GPU
     plans: list = field(default_factory=list)  # the StepPlans a plan search made (method="plan")
     plan_seconds: float = 0.0  # the plan search's process, start to end
-    planned_failure: int | None = None  # a batch past the answer whose plan needs more than the limit (not probed)
+    planned_failure: int | None = None  # a batch past the answer its plan says cannot train (its bytes, an abort)
     plan_answer: int | None = None  # the largest batch the plans fit (the plan search's answer, probed first)
     overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
     beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
@@ -260,7 +260,7 @@ class BatchSearch(LinesText):
             if failure is not None and failure > largest:
                 step = max(1, math.ceil(largest * self.resolution))
                 how = "ran out of memory" if any(p.batch == failure for p in self.failed) else \
-                    "does not fit by its plan (not probed)"
+                    "cannot train by its plan (not probed)"
                 out.append(f"  edge: {largest:,} trained, {failure:,} {how} "
                            f"({failure - largest:,} apart; resolution {self.resolution:.0%} = {step:,} examples)")
             elif largest >= self.high:
@@ -394,13 +394,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
 
     Ctrl-C stops the probe in flight and returns what the probes so far show.
     """
-    search = _new_search(build_model, make_batch, setup, env, low=low, high=high, steps=steps, margin=margin,
-                         resolution=resolution, probe_timeout=probe_timeout, method=method)
-    max_probes = check_count("max_probes", max_probes, 2)
-    if progress not in (None, False, "lines", "bar") and not all(
-            callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
-        raise ArgumentError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with probing(), "
-                         f"probed() and done(), got {progress!r}.")
+    search, max_probes = _new_search(build_model, make_batch, setup, env, low=low, high=high, steps=steps,
+                                     max_probes=max_probes, margin=margin, resolution=resolution,
+                                     probe_timeout=probe_timeout, method=method, progress=progress)
     bar = progress_for(progress, max_probes)
     past: list[int] = []
     _, setup, env, _ = search._run
@@ -421,9 +417,9 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
     return search
 
 
-def _new_search(build_model, make_batch, setup, env, *, low, high, steps, margin, resolution, probe_timeout,
-                method) -> BatchSearch:
-    """A search with no probe yet, every argument checked (one line for the first that is wrong)."""
+def _new_search(build_model, make_batch, setup, env, *, low, high, steps, max_probes, margin, resolution,
+                probe_timeout, method, progress) -> tuple[BatchSearch, int]:
+    """A search with no probe yet, and max_probes, every argument checked (one line for the first that is wrong)."""
     from ..fresh.run import check_request, check_timeout
 
     if not callable(build_model) or not callable(make_batch):
@@ -433,6 +429,7 @@ def _new_search(build_model, make_batch, setup, env, *, low, high, steps, margin
     if low > high:
         raise ArgumentError(f"max_batch_size: low ({low:,}) is above high ({high:,}): give low <= high.")
     steps = check_count("steps", steps, 1)
+    max_probes = check_count("max_probes", max_probes, 2)
     margin = check_fraction("margin", margin, 1)
     resolution = check_fraction("resolution", resolution, 0.5)
     if resolution == 0:
@@ -442,16 +439,21 @@ def _new_search(build_model, make_batch, setup, env, *, low, high, steps, margin
     env = {str(k): str(v) for k, v in (env or {}).items()}
     if method not in ("auto", "plan", "probe"):
         raise ArgumentError(f"max_batch_size: method must be 'auto', 'plan' or 'probe', got {method!r}.")
+    if progress not in (None, False, "lines", "bar") and not all(
+            callable(getattr(progress, name, None)) for name in ("probing", "probed", "done")):
+        raise ArgumentError(f"max_batch_size: progress must be None, False, 'lines', 'bar' or an object with "
+                            f"probing(), probed() and done(), got {progress!r}.")
     try:
         import cloudpickle
 
         functions = cloudpickle.dumps((build_model, make_batch))
     except Exception as exc:
         raise ArgumentError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
-                         f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
-                         "or a module.") from None
-    return BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
-                       lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
+                            f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
+                            "or a module.") from None
+    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
+                         lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
+    return search, max_probes
 
 
 def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, past: list[int]) -> int | None:
@@ -477,8 +479,8 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
                 what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
                         else f"a batch of {low:,} does not fit")
                 raise ArgumentError(f"max_batch_size: {what} ({probe.verdict or 'out of memory'}"
-                                 f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
-                                 f"; {search.where}): raise the limit or make the model smaller.")
+                                    f"{', request ' + format_bytes(probe.request_bytes) if probe.request_bytes else ''}"
+                                    f"; {search.where}): raise the limit or make the model smaller.")
             batch = next_batch(search, past, probe_past)
         if search.margin and batch is None:
             settling = True

@@ -197,7 +197,7 @@ def _confirm(search, found, probe_one, progress, probe, max_probes: int) -> str:
     answer = found.batch
     step = _step_of(search, answer)
     proven, aborts = found.proven_failure, found.aborts_from
-    if aborts is not None and answer < aborts <= answer + step:
+    if aborts is not None and answer < aborts <= answer + step and (proven is None or aborts < proven):
         proven, why = aborts, (f"batch {aborts:,} was not probed: at it the step makes a tensor of 2^31 elements, "
                                "which TensorFlow's own GPU kernels cannot count (the process aborts)")
     elif proven is not None:

@@ -45,6 +45,7 @@ def system_reserve(
 
 def reserve_behind_limit(limit_bytes: int, cc_major: int | None, env: Mapping[str, str] | None = None
                          ) -> tuple[int | None, str]:
-    """system_reserve read back from a default limit (free - reserve): the low-memory reserve applies
-    exactly when the free figure it was taken from, limit + that reserve, was under 2 GiB."""
+    """system_reserve read back from a default limit (free - reserve): the low-memory reserve where limit + that
+    reserve is under 2 GiB (a limit there may also be a card's reserve taken from just over 2 GiB free: the
+    limit alone cannot tell the two apart, and the low-memory one is taken)."""
     return system_reserve(limit_bytes + _RESERVE_MB_LOW_MEMORY * MiB, cc_major, env)

@@ -215,7 +215,7 @@ class trace:
                           logdir=self._logdir if self.keep is not None else None, log=logged, notes=tuple(notes))
         self.result.fits = self._stop_spotter()
         if oom is not None:
-            self.result.oom_report = self.explain(exc, self.result)
+            self.result.keep_oom_report(self.explain(exc, self.result))
         return self.result
 
     def explain(self, exc: BaseException, result: Trace):

@@ -18,9 +18,6 @@ from .allocator_map import AllocatorMap, Chunk
 from .events import AllocatorEvents
 from .replay import Replay, fragmentation_series
 
-# Plans a fit's XLA program (model, specs, batch size), set by the package's face (plans/plan.py's plan):
-# a traced XLA fit's buffer of temporaries is then read by Keras layer and phase.
-
 
 class Trace:
     """The allocator events of a block, per allocator, and what happened at its end."""
@@ -43,7 +40,7 @@ class Trace:
         self.fresh = fresh  # traced from the runtime's start: every allocator's first allocation
         self._growth = growth
         self.oom = oom
-        self.oom_report = None  # the OOM explained (an OomReport), where the block's OOM was: oom/traced.py
+        self._oom_report = None  # the block's OOM explained (an OomReport): oom/traced.py, explain_oom(trace)
         self.dumps = dumps or {}
         self.text_dump = text_dump
         self.logdir = logdir  # where the profiler's files were kept, if asked to keep them
@@ -140,6 +137,15 @@ class Trace:
             replay.step()
             pool[i] = replay.pool_bytes
         return pool
+
+    def oom_report(self):
+        """The block's OOM explained (an OomReport: verdict, fixes, layers) where it has been: at the block's
+        end in the process that ran it, or by explain_oom(trace) (a loaded trace); None otherwise."""
+        return self._oom_report
+
+    def keep_oom_report(self, report) -> None:
+        """The report of the block's OOM, kept with the trace (its text shows the verdict and fixes)."""
+        self._oom_report = report
 
     def knows(self, allocator: str) -> bool:
         """Whether the trace holds events or a dump of this allocator (so a map of it)."""
@@ -336,7 +342,7 @@ class Trace:
             lines.append(f"OOM in {self.oom.allocator}: {self.oom.message}")
             if self.knows(self.oom.allocator):
                 lines.append(repr(self.map(allocator=self.oom.allocator)))
-            report = self.oom_report
+            report = self._oom_report
             if report is not None and report.map is not None:
                 lines.append(f"  verdict: {report.verdict}")
                 lines += [f"    {r}" for r in report.reasons()]

@@ -551,7 +551,7 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     # 5% of this limit, 51,628 and 54,367 rows both peaked at 992.2 MiB.)
     recommended = search.recommended
     assert recommended is not None and 0.5 * failure <= recommended <= 0.8 * failure
-    assert search.trained_at(recommended) >= 2 and 2 <= search.margin_probes <= 4
+    assert search.trained_at(recommended) >= 2 and 2 <= search.margin_probes <= 5
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
 
 

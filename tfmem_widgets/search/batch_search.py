@@ -380,7 +380,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
                  (lab mode: CPU kernels) or {"limit_mb": 16000} (as if on a card of 16 GB).
     low, high:   the batches searched between; steps: train steps a probe runs.
     margin:      the fraction of the limit `recommended` leaves free by its measured peaks, and of the batch
-                 below every failure; with one, once the edge is known, up to 4 probes more (counted in
+                 below every failure; with one, once the edge is known, up to 5 probes more (counted in
                  max_probes) settle the recommended batch.
     resolution:  the search stops when the edge is known within this fraction of the batch.
     probe_timeout: seconds before a probe, and every process it started, is stopped.

@@ -17,7 +17,7 @@ from ..units import format_bytes
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
 
 
-MARGIN_PROBES = 4  # the most probes a margin adds: aimed at it (twice at most), the batch recommended again
+MARGIN_PROBES = 5  # the most probes a margin adds: aimed at it, the batch recommended again; the last one confirms
 MARGIN_AIMS = 2  # the second halfway down, where the first's peak took the margin or it did not hold
 
 
@@ -29,13 +29,16 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
     the margin free in two, and no aim after that: a step's peak at one batch differs between processes,
     and a batch that trained in one can run out of memory in the next. Where the second probe's peak takes
     the margin, or it does not train, the rule recommends a lower batch, aimed at or probed again in turn.
-    At most MARGIN_PROBES probes and max_probes in all; the search's `margin_probes` counts them. A probe
+    An aim is made only where a probe is left after it for its second process. At most MARGIN_PROBES probes
+    and max_probes in all; the search's `margin_probes` counts them. A probe
     that fails otherwise (its process died, ran past the timeout) ends this with a note: the edge found
     stands."""
     aimed = 0
     for left in range(MARGIN_PROBES, 0, -1):
         batch = search.recommended
-        aim, why = (None, "") if aimed >= MARGIN_AIMS else (margin_aim(search, bisect=aimed > 0) or (None, ""))
+        room = left > 1 and len(search.probes) + 1 < max_probes  # a probe after the aim, for its second process
+        aim, why = (None, "") if aimed >= MARGIN_AIMS or not room else \
+            (margin_aim(search, bisect=aimed > 0) or (None, ""))
         if aim is not None and aim not in {p.batch for p in search.probes} and (
                 batch is None or aim > batch + math.ceil(batch * search.resolution)):
             aimed, what = aimed + 1, f"a probe aimed at the {search.margin:.0%} margin"

@@ -30,7 +30,15 @@ def test_the_largest_batch_is_found_near_the_edge_in_few_probes(monkeypatch):
                                           progress=False, margin=0.1)
     safe, failure = search.edge  # where fitting was first lost: a batch that trained, a larger one that did not
     assert safe is not None and failure is not None and safe < failure
-    assert failure - safe <= max(1, -(-safe * search.resolution // 1))  # within the resolution
+
+    def step(batch):
+        return max(1, -(-batch * search.resolution // 1))
+
+    # The search converged: a batch that trained and one that did not, within the resolution of each other. Where
+    # fitting is monotone that is the edge; where it is not (fresh-clone CI saw a margin's probe at 4,960 run out of
+    # memory after 6,000 had trained, which made the edge 4,374 / 4,960), the search says so.
+    assert any(0 < f.batch - p.batch <= step(p.batch) for p in search.fitted for f in search.failed)
+    assert failure - safe <= step(safe) if search.monotone else "warning: not monotone" in repr(search)
     trained = next(p for p in search.probes if p.batch == safe)
     assert trained.fits and 0 < trained.peak_bytes <= 128 * MiB  # the allocator's exact peak, under the limit
     assert (search.limit_bytes, search.limit_source) == (128 * MiB, "lab mode")

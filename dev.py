@@ -76,7 +76,9 @@ def quiet_kernel_environment(ipython_dir: Path | None = None, tf_log_level: str 
     profile = ipython_dir / "profile_default"
     profile.mkdir(parents=True, exist_ok=True)
     (profile / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
-    env = {"IPYTHONDIR": str(ipython_dir), **MALLOC_ENVIRONMENT}
+    # No kernel records (tfmem_widgets/deaths/record.py): a recorded notebook's first cell would tell of a
+    # kernel that died in that folder before, and the kernels would copy fd 2 through a process of their own.
+    env = {"IPYTHONDIR": str(ipython_dir), "TFMEM_KERNEL_RECORD": "0", **MALLOC_ENVIRONMENT}
     if tf_log_level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", tf_log_level)
     return env

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ TIERS = {
     "test_package_shape.py": "unit", "test_oom_explained.py": "process", "test_batch_search.py": "process",
     "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
-    "test_errors.py": "magic", "test_readme.py": "process",
+    "test_errors.py": "magic", "test_readme.py": "process", "test_deaths.py": "process",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 
@@ -160,3 +161,47 @@ def shell(lab_session):
     ip.run_line_magic("load_ext", "tfmem_widgets")
     yield ip
 
+
+# Real Jupyter kernels (tests/test_deaths.py; tests/test_gpu.py on a card)
+def kernel_env(records) -> dict:
+    """A reader's environment with kernel records on, kept under `records` (tfmem_widgets/deaths/record.py)."""
+    from tfmem_widgets.deaths.record import PLACE_ENV, RECORD_ENV
+    from tfmem_widgets.fresh.run import child_environment
+
+    env = child_environment()
+    env.pop(RECORD_ENV, None)  # records on, as in a user's kernel
+    env[PLACE_ENV] = str(records)
+    return env
+
+
+def start_kernel(folder, records):
+    """A real Jupyter kernel started in `folder`, its records under `records`: (manager, client)."""
+    from jupyter_client.manager import start_new_kernel
+
+    return start_new_kernel(kernel_name="python3", cwd=str(folder), env=kernel_env(records), startup_timeout=120)
+
+
+def run_in_kernel(client, code: str, timeout: float = 300) -> str:
+    """Run `code` in the kernel; its streams and results as text."""
+    out = []
+
+    def hook(message):
+        content = message["content"]
+        if message["msg_type"] == "stream":
+            out.append(content["text"])
+        elif message["msg_type"] in ("execute_result", "display_data"):
+            out.append(content["data"].get("text/plain", ""))
+        elif message["msg_type"] == "error":
+            out.append("\n".join(content["traceback"]))
+
+    client.execute_interactive(code, output_hook=hook, timeout=timeout)
+    return "".join(out)
+
+
+def until_kernel_dies(manager, client, code: str, timeout: float = 300) -> None:
+    """Run `code` in the kernel and wait until the kernel's process is gone."""
+    client.execute(code)
+    deadline = time.monotonic() + timeout
+    while manager.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not manager.is_alive(), "the kernel did not die"

@@ -70,13 +70,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_notebook(folder: Path) -> Path:
+CHECK_LINE = ("F0000 00:00:1764000000.000000   12345 gpu_launch_config.h:160] Check failed: "
+              "work_element_count >= 0 (-2147483648 vs. 0)")
+# A kernel that dies as TensorFlow's check ends a process: its words on fd 2, then abort().
+DEATH_CELLS = ["%load_ext tfmem_widgets",
+               f"import os\nos.write(2, {(CHECK_LINE + chr(10)).encode()!r})\nos.abort()"]
+
+
+def _write_notebook(folder: Path, cells=CELLS, name="browser_check.ipynb") -> Path:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path = folder / "browser_check.ipynb"
+    path = folder / name
     nbformat.write(nb, path)
     return path
 
@@ -85,7 +92,11 @@ def _write_notebook(folder: Path) -> Path:
 def jupyterlab(tmp_path):
     port = _free_port()
     _write_notebook(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_") and k != "IPYTHONDIR"}
+    _write_notebook(tmp_path, DEATH_CELLS, "browser_death.ipynb")
+    from tfmem_widgets.deaths.record import PLACE_ENV, RECORD_ENV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_") and k not in ("IPYTHONDIR", RECORD_ENV)}
+    env[PLACE_ENV] = str(tmp_path / "records")  # the kernels keep records, as a user's do
     env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")
     args = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
             f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}",
@@ -244,3 +255,43 @@ def test_panels_in_each_frontend(jupyterlab, frontend):
             chooser.screenshot(path=str(SHOTS / f"{prefix}limit_chooser.png"))
         finally:
             browser.close()
+
+
+_KERNEL_IDLE = ("() => { const w = window.jupyterapp.shell.currentWidget;"
+                " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
+                " && w.sessionContext.session.kernel.status === 'idle'; }")
+
+
+def test_a_kernel_that_dies_is_explained_when_its_restarted_kernel_loads_the_extension(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(f"{jupyterlab}/lab/tree/browser_death.ipynb?token={TOKEN}")
+            page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=90_000)
+            page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            # The kernel dies in the second cell; the server starts it again and JupyterLab says so.
+            page.wait_for_selector("text=appears to have died", timeout=120_000)
+            page.screenshot(path=str(SHOTS / "kernel_died.png"))
+            page.keyboard.press("Escape")
+            page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
+            page.evaluate("() => { const w = window.jupyterapp.shell.currentWidget; w.content.activeCellIndex = 0;"
+                          " window.jupyterapp.commands.execute('notebook:run-cell'); }")
+            told = page.locator(".jp-OutputArea-output", has_text="before this one died").first
+            try:
+                told.wait_for(timeout=120_000)
+            except Exception:
+                page.screenshot(path=str(SHOTS / "kernel_death_failure.png"), full_page=True)
+                raise
+            text = told.inner_text()
+            page.screenshot(path=str(SHOTS / "kernel_death_explained.png"), full_page=True)
+        finally:
+            browser.close()
+    assert "killed by SIGABRT (signal 6)" in text and "in cell [2]:" in text and "os.abort()" in text and CHECK_LINE in text
+    assert "32-bit int" in text and "Python's stacks at the signal (faulthandler):" in text

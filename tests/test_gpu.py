@@ -593,3 +593,60 @@ print("trained")
            in fitted.items()})
     assert fitted[4095][:2] == (0, ["trained"]), fitted[4095][2]
     assert fitted[4096][0] == -signal.SIGABRT and "Check failed" in fitted[4096][2], fitted[4096]
+
+
+def test_the_guard_stops_a_fit_that_would_abort_and_a_kernel_the_abort_killed_is_explained_by_the_next(tmp_path):
+    # As a user would: a Jupyter kernel, growth, the guard, the attention model without XLA. The guard stops the fit
+    # at 16,384 before its first step and lets a small one run (its cost printed); with the guard off, the fit at
+    # 4,096 kills the kernel in TensorFlow's check, and the next kernel started in the folder tells why.
+    from conftest import run_in_kernel, start_kernel, until_kernel_dies
+
+    folder, records = tmp_path / "notebooks", tmp_path / "records"
+    folder.mkdir()
+    manager, client = start_kernel(folder, records)
+    try:
+        run_in_kernel(client, "%load_ext tfmem_widgets\n%tfmem setup --growth")
+        print(run_in_kernel(client, "%tfmem guard\n" + ATTENTION_AT + "\nimport time"))
+        stopped = run_in_kernel(client, """
+started = time.perf_counter()
+try:
+    model.fit(np.ones((16384, 256), "int32"), np.ones((16384,), "int64"), batch_size=16384, epochs=1, verbose=0)
+except Exception as error:
+    print(type(error).__name__, error)
+print(f"stopped after {time.perf_counter() - started:.1f} s, steps run: {int(model.optimizer.iterations.numpy())}")
+""", timeout=900)
+        print(stopped)
+        assert "FitStopped tfmem guard stopped this fit before its first step: at batch 16,384" in stopped
+        assert "2^31 elements" in stopped and "steps run: 0" in stopped
+        below = int(stopped.split("A batch of at most ")[1].split()[0].replace(",", ""))
+        assert 0 < below <= 4095
+        costs = run_in_kernel(client, """
+x, y = np.ones((8192, 256), "int32"), np.ones((8192,), "int64")
+model.fit(x, y, batch_size=256, epochs=1, verbose=0)  # (the step traced and run once, guard on: planned)
+seconds = {}
+for name, on in (("off", False), ("on, planned first", True), ("on, planned already", True)):
+    if on != tfmem_widgets.notebook.fit_hook.guarding():
+        tfmem_widgets.notebook.fit_hook.guard(on)
+    started = time.perf_counter()
+    model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+    seconds[name] = time.perf_counter() - started
+print("guard cost, one epoch of 32 steps at 256:", {k: round(v, 2) for k, v in seconds.items()})
+""", timeout=900)
+        print(costs)
+        assert "guard cost" in costs
+        run_in_kernel(client, "%tfmem guard off")
+        until_kernel_dies(manager, client, 'model.fit(np.ones((4096, 256), "int32"), np.ones((4096,), "int64"), '
+                                           'batch_size=4096, epochs=1, verbose=0)', timeout=600)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    manager, client = start_kernel(folder, records)
+    try:
+        told = run_in_kernel(client, "%load_ext tfmem_widgets")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    print(told)
+    assert "a kernel started in this folder before this one died" in told and "killed by SIGABRT (signal 6)" in told
+    assert "Check failed" in told and "batch_size=4096" in told
+    assert "a TensorFlow GPU kernel met a tensor at batch 4,096" in told

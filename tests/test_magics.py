@@ -215,7 +215,7 @@ def test_a_state_the_core_refuses_is_one_line_in_the_magic(shell):
 def test_help_is_the_parsers_own(shell, capsys):
     from tfmem_widgets.notebook.magic_parsers import CELL_MODES, SUBCOMMANDS, summary_of
 
-    assert set(SUBCOMMANDS) == {"report", "setup", "watch", "panel", "record", "oom", "plan"}
+    assert set(SUBCOMMANDS) == {"report", "setup", "watch", "panel", "record", "oom", "plan", "guard", "died"}
     assert set(CELL_MODES) == {"measure", "trace", "fresh", "batch"}
     shell.run_line_magic("pinfo", "%tfmem")
     text = capsys.readouterr().out

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tfmem_widgets"
 
 # The folders, lowest first: each imports only those before it. The modules at the top beside the face
 # (errors, units, text, frontend) are the shared ground every folder may import, and import no folder.
-ORDER = ("tf", "readings", "views", "plans", "tracing", "oom", "fresh", "search", "notebook")
+ORDER = ("tf", "readings", "views", "plans", "tracing", "oom", "deaths", "fresh", "search", "notebook")
 GROUND = ("errors", "units", "text", "frontend")
 FACE = ("tfmem_widgets", "tfmem_widgets.keras")
 

@@ -93,7 +93,8 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython):
     """%load_ext tfmem_widgets: registers %tfmem / %%tfmem and the OOM watcher (TensorFlow's dump at
-    every OOM, into a folder of the extension's own); starts nothing."""
+    every OOM, into a folder of the extension's own), and tells of a kernel that died before this one in
+    the same folder; starts nothing of TensorFlow's."""
     from .notebook.extension import load
 
     load(ipython)

@@ -41,12 +41,14 @@ class FreshRunError(TfmemError, RuntimeError):
     raised: the name of the exception the code raised there (None: it died or was stopped);
     timed_out: it ran past its timeout; oom: the report of an OOM it met (None: none);
     oom_shown: that report was already shown by the process's own shell; last_words: the last line
-    it wrote that says something.
+    it wrote that says something; death: where a signal ended it, a deaths.explain.Death (its signal,
+    TensorFlow's last words, Python's stacks, what it means).
     """
 
     def __init__(self, message: str, *, how: str = "", raised: str | None = None, timed_out: bool = False,
-                 oom=None, oom_shown: bool = False, last_words: str = ""):
+                 oom=None, oom_shown: bool = False, last_words: str = "", death=None):
         super().__init__(message)
+        self.death = death
         self.how, self.raised, self.timed_out = how, raised, timed_out
         self.oom, self.oom_shown = oom, oom_shown
         self.last_words = last_words  # the last line it wrote that says something (its error)

@@ -84,6 +84,9 @@ def child_environment(env: Mapping[str, str] | None = None, path: Sequence[str] 
     added = [str(folder) for folder in path] + extra.pop("PYTHONPATH", "").split(os.pathsep)
     child.update(extra)
     child["PYTHONUNBUFFERED"] = "1"  # lines appear as the child prints them
+    from ..deaths.record import RECORD_ENV
+
+    child[RECORD_ENV] = "0"  # no kernel record: this process tells the child's death itself
     # The child imports this package from wherever this process does (an editable
     # install, or a checkout on sys.path).
     here = str(Path(__file__).resolve().parents[2])
@@ -247,33 +250,48 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
         if "setup_error" in result:  # refused by the child's machine: the class it raised there
             raise _REFUSALS.get(result.get("setup_error_class"), SetupError)(result["setup_error"])
         if proc.returncode != 0 or "values" not in result:
-            if timed_out and "values" not in result:
-                why = f"ran past {timeout:g} s and was stopped, with every process it started"
-            elif "error" in result:
-                why = f"raised {result['error']}"
-            elif proc.returncode < 0:
-                why = f"was killed by {_signal_name(-proc.returncode)}"
-            else:
-                why = f"ended with exit code {proc.returncode}"
-            oom = None if timed_out else _oom_of_child(
-                work_dir, environment[DUMP_ENV], dumps_before, output + raw_errors, setup, why,
-                died="error" not in result)
-            how = why
-            if oom is not None and remember_oom:
-                from ..oom.explain import remember
-
-                remember(oom)
-                why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
-                        " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
-            last = last_words(errors) or last_words(output)  # a traceback's last line is on stderr
-            said = ("its output is above" if echo else f"it last wrote: {last}" if last else "it wrote nothing")
-            raise FreshRunError(f"the fresh process {why}; {said}.", how=how, raised=result.get("error"),
-                                timed_out=timed_out, oom=oom, last_words=last,
-                                oom_shown="error" in result)  # the child's own shell showed its report
+            raise _failure(proc, result, timed_out=timed_out, timeout=timeout, work_dir=work_dir,
+                           dump_prefix=environment[DUMP_ENV], dumps_before=dumps_before, output=output,
+                           raw_errors=raw_errors, errors=errors, setup=setup, echo=echo, remember_oom=remember_oom)
         values = {name: decode(name, work_dir) for name in result["values"]}
         return FreshRun(proc.returncode, output, values, errors)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _failure(proc, result: dict, *, timed_out: bool, timeout, work_dir: Path, dump_prefix: str, dumps_before: set,
+             output: str, raw_errors: str, errors: str, setup, echo: bool, remember_oom: bool) -> FreshRunError:
+    """The FreshRunError of a child that raised, died, or ran past its timeout: how it ended, the OOM it
+    met (remembered as this process's last_oom() where asked), a death's words and meaning."""
+    death = None
+    if timed_out and "values" not in result:
+        why = f"ran past {timeout:g} s and was stopped, with every process it started"
+    elif "error" in result:
+        why = f"raised {result['error']}"
+    elif proc.returncode < 0:
+        why = f"was killed by {_signal_name(-proc.returncode)}"
+        death = _death(proc, raw_errors, setup)
+    else:
+        why = f"ended with exit code {proc.returncode}"
+    oom = None if timed_out else _oom_of_child(
+        work_dir, dump_prefix, dumps_before, output + raw_errors, setup, why,
+        died="error" not in result)
+    how = why
+    if oom is not None and remember_oom:
+        from ..oom.explain import remember
+
+        remember(oom)
+        why += (" after an OOM, explained by tfmem_widgets.last_oom()" if "error" in result else
+                " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
+    last = last_words(errors) or last_words(output)  # a traceback's last line is on stderr
+    said = ("its output is above" if echo else f"it last wrote: {last}" if last else "it wrote nothing")
+    if death is not None and oom is None:  # TensorFlow's words (its native lines), what they mean
+        last = death.last_words or last
+        said = (f"its last words on fd 2: {death.last_words}; " if death.last_words else "") + \
+            f"what it means: {death.meaning}"
+    return FreshRunError(f"the fresh process {why}; {said}.", how=how, raised=result.get("error"),
+                         timed_out=timed_out, oom=oom, last_words=last, death=death,
+                         oom_shown="error" in result)  # the child's own shell showed its report
 
 
 def last_words(text: str) -> str:
@@ -283,6 +301,14 @@ def last_words(text: str) -> str:
         if line and not line.startswith(("^", "~")):
             return line[:300]
     return ""
+
+
+def _death(proc, fd2_text: str, setup: Mapping | None):
+    """How a child a signal ended died, told (deaths/explain.py)."""
+    from ..deaths.explain import explain_death
+
+    lab = (setup or {}).get("lab_mb")
+    return explain_death(-proc.returncode, fd2_text, pid=proc.pid, lab_mb=lab if isinstance(lab, int) else None)
 
 
 def _signal_name(number: int) -> str:

@@ -14,6 +14,9 @@ from ..fresh.transport import CheckedPickler, encode, read_job, write_result
 def main(work: str) -> int:
     """The fresh process: its setup, then the cell in an IPython shell with the extension loaded;
     the named values written back; the exit code."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # Python's stacks at a fatal signal, on fd 2 (the parent's file)
     work_dir = Path(work)
     job = read_job(work_dir)
     from ..tf import dump_place

@@ -236,6 +236,12 @@ def _oom_commands(commands) -> None:
     planned.add_argument("-b", "--batch", type=_search_count("batch"), action=_Once, required=True, metavar="N",
                          help="the batch to plan")
     add_result_flags(planned, "StepPlan")
+    guarded = _subcommand(commands, "guard", "Plan each Keras fit at its batch before its first step; stop one "
+                          "that cannot fit or would abort, with the batch that fits.",
+                          "One plan per model, batch and shapes; guard off turns it off.")
+    guarded.add_argument("action", nargs="?", choices=["on", "off"], default="on", help="on (the default) or off")
+    _subcommand(commands, "died", "How the kernels before this one in this folder died, explained (the first "
+                "%load_ext after a death tells it once).")
 
 
 def _line_parser() -> tuple[MagicArgumentParser, dict[str, MagicArgumentParser]]:

@@ -135,6 +135,22 @@ class TfmemMagics(Magics):
                                     f"{exc}).") from None
         return plan(*values, args.batch)
 
+    def _guard(self, args):
+        from .fit_hook import guard
+
+        on = guard(args.action == "on")
+        print("tfmem guard: " + ("on: each Keras fit is planned at its batch before its first step, and stopped where "
+                                 "it cannot fit or would abort" if on else "off"))
+
+    def _died(self, args):
+        from ..deaths.record import deaths
+
+        told = deaths(again=True)
+        if not told:
+            print("no kernel started in this folder died in the last week (one that exits normally leaves nothing)")
+        for death in told:
+            print(repr(death))
+
     # -- %%tfmem: a mode per cell --------------------------------------------------------------
     def _measure(self, args, cell: str):
         with measure(args.device) as measurement:

@@ -85,8 +85,9 @@ class Owners:
     def __init__(self, index, scopes: dict[str, tuple[str, str]], parameters: dict[int, str | None]):
         self.index, self.parameters = index, parameters
         self.scopes = sorted(scopes.items(), key=lambda kv: -len(kv[0]))  # the longest scope first
-        self.entry_parameters = {ins.id: ins.parameter_number for ins in (index.entry.instructions if index.entry
-                                                                            else ()) if ins.opcode == "parameter"}
+        entry = index.entry if index is not None else None  # (None: a traced graph's ops only, of_op)
+        self.entry_parameters = {ins.id: ins.parameter_number for ins in (entry.instructions if entry else ())
+                                 if ins.opcode == "parameter"}
 
     def _variable(self, parameter_id: int) -> str | None:
         owner = self.parameters.get(self.entry_parameters.get(parameter_id, -1))

@@ -17,7 +17,6 @@ its plan is the XLA program's, labelled an estimate.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentError, StateError
@@ -27,6 +26,7 @@ from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..tf.devices import xla_autotune_level
 from ..units import MiB, format_bytes
 from . import aborts, hlo
+from .step import compile_step
 
 
 @dataclass(repr=False)
@@ -369,33 +369,6 @@ def _device_of(model) -> str:
     return "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-def _compile(model, specs, device: str):
-    """The step traced from specs and compiled by XLA for `device`: (HloProto, the concrete function,
-    trace seconds, compile seconds, the scopes Keras entered). The context's get_compiler_ir is
-    called directly: the public experimental_get_compiler_ir takes no nested specs and runs an op
-    (an allocation) to find its device."""
-    import tensorflow as tf
-    from tensorflow.python.eager import context
-
-    from .owners import ScopeRecorder
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):  # Keras' own step function, as TensorFlowTrainer makes it, compiled by XLA
-        return model.distribute_strategy.run(model.train_step, args=(data,))
-
-    function = tf.function(one_step_on_data, jit_compile=True, reduce_retracing=False)
-    with tf.device(device), ScopeRecorder() as scopes:
-        started = time.perf_counter()
-        concrete = function.get_concrete_function(specs)
-        traced = time.perf_counter()
-        serialized = context.context().get_compiler_ir(
-            device_name=device, platform_name=None, function_name=concrete.name,
-            flat_args=tf.nest.flatten(concrete.structured_input_signature), captured_inputs=concrete.captured_inputs,
-            stage="optimized_hlo_proto_serialized")
-        compiled = time.perf_counter()
-    return hlo.hlo_proto(serialized), concrete, traced - started, compiled - traced, scopes.scopes
-
-
 def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
     """Each allocation's hlo.batch_profile; none where the batch cannot be told from the model's widths
     (hlo.told_apart) or the module cannot be read so: they aim a search, the plan stands alone."""
@@ -433,7 +406,7 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     built = _build_like_fit(model, specs)
     device = _device_of(model)
     try:
-        proto, concrete, trace_s, compile_s, scopes = _compile(model, specs, device)
+        proto, concrete, trace_s, compile_s, scopes = compile_step(model, specs, device)
     except Exception as exc:  # TensorFlow's own words, in one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ArgumentError(f"plan: XLA could not compile the step at batch {batch_size:,} ({type(exc).__name__}: "
@@ -481,6 +454,22 @@ def plan(model, sample, batch_size: int) -> StepPlan:
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
         weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big)
+
+
+def graph_abort_risks(model, sample, batch_size: int) -> tuple[list, int | None]:
+    """A graph step's (jit_compile not True) tensors of 2^31 elements or more at `batch_size`, the largest
+    first, and the largest batch under that limit, from the step traced alone: no XLA compile, so an
+    autotuner that cannot compile a too-big program does not stand in the way (the guard asks this first).
+    ([], None) for an XLA step. Builds what fit builds first, as plan() does."""
+    from .owners import Owners
+
+    if model.jit_compile is True:
+        return [], None
+    specs = batch_specs(sample, batch_size)
+    _build_like_fit(model, specs)
+    _, concrete, _, _, scopes = compile_step(model, specs, _device_of(model), compile=False)
+    big = aborts.graph_tensors(concrete.graph, batch_size, Owners(None, scopes, {}).of_op)
+    return aborts.risks_at(big, batch_size), aborts.largest_batch_under(big)
 
 
 def slots_shared_by_fit(model, planned: StepPlan) -> tuple[tuple[int, ...], ...]:

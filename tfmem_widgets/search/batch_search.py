@@ -35,6 +35,8 @@ from .probe import Probe, first_line
 from .progress import progress_for
 from .warm import probing, room_for_two
 
+DEATHS = ("died", "abort: 2^31 elements")  # the verdicts of a probe whose process a signal ended
+
 # A fit given NumPy arrays holds the whole arrays on the device besides the probes' one batch (docs/what-fits.md).
 NUMPY_NOTE = ("the probes hold one batch; model.fit(x, y) with NumPy arrays also puts the whole arrays on the "
               "device: feed a tf.data pipeline built on the host (with tf.device('CPU:0')), or leave room for them")
@@ -259,8 +261,9 @@ class BatchSearch(LinesText):
             largest = safe if safe is not None else largest
             if failure is not None and failure > largest:
                 step = max(1, math.ceil(largest * self.resolution))
-                how = "ran out of memory" if any(p.batch == failure for p in self.failed) else \
-                    "cannot train by its plan (not probed)"
+                at = [p for p in self.failed if p.batch == failure]
+                how = ("ran out of memory" if any(p.verdict not in DEATHS for p in at) else
+                       f"did not train ({at[0].verdict})") if at else "cannot train by its plan (not probed)"
                 out.append(f"  edge: {largest:,} trained, {failure:,} {how} "
                            f"({failure - largest:,} apart; resolution {self.resolution:.0%} = {step:,} examples)")
             elif largest >= self.high:
@@ -287,6 +290,8 @@ class BatchSearch(LinesText):
         for p in self.probes:
             if p.fits:
                 what = f"trained, peak {format_bytes(p.peak_bytes)}"
+            elif p.verdict in DEATHS:
+                what = f"did not train ({p.verdict}): the process {p.died}"
             else:
                 what = "out of memory" + (f" ({p.verdict}" + (f", request {format_bytes(p.request_bytes)}"
                                                                if p.request_bytes else "") + ")" if p.verdict else "")

@@ -27,7 +27,7 @@ class Probe:
     seconds: float
     verdict: str | None = None  # the OOM report's verdict
     request_bytes: int | None = None  # the request that failed
-    died: str | None = None  # how the process ended when the OOM killed it (an XLA program's)
+    died: str | None = None  # how the process ended where it died (an XLA program's OOM, a signal), and why
     stage: str = "train"  # "build": build_model() itself ran out of memory
     limit_bytes: int | None = None  # the limit the probe ran under (its process's reading)
     limit_source: str = "unknown"
@@ -236,6 +236,10 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run, ended:
                          limit_bytes=exc.oom.limit_bytes, limit_source=exc.oom.limit_source)
         if exc.timed_out:
             raise ran_past(batch, timeout) from None
+        if exc.death is not None:  # a signal ended it (a TensorFlow CHECK, a segmentation fault): this batch does not train
+            return Probe(batch, None, seconds, "abort: 2^31 elements" if exc.death.aborted_on_elements else "died",
+                         died=f"{exc.how}: {exc.death.meaning}" + (
+                             f" (its last words: {exc.death.last_words})" if exc.death.last_words else ""))
         said = f"; it last wrote: {exc.last_words}" if exc.last_words else "; it wrote nothing"
         raise FreshRunError(f"max_batch_size: the probe at batch {batch:,} failed: its process {exc.how}{said}.",
                             how=exc.how, raised=exc.raised, last_words=exc.last_words) from None

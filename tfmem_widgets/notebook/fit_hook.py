@@ -1,0 +1,234 @@
+"""Keras' fit, seen as it starts while the extension is loaded: its batch noted in the kernel's record
+(a death in the step is told with it), and, with the guard on (``%tfmem guard``), planned at that batch
+before its first step: a fit whose step cannot fit the device, or whose graph step makes a tensor of
+2^31 elements (an abort on a GPU), is stopped with the reason and the batch that fits, before anything
+runs. One plan per model, batch and shapes; a fit that fits runs as it would.
+
+``keras.Model.fit`` is wrapped once Keras is imported (the extension imports neither TensorFlow nor
+Keras itself); unloading the extension puts it back.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+
+from ..errors import StateError
+
+_original = None
+_guard = False
+_judged: dict = {}  # (model id, batch, specs) -> None (fits) or the StepStopped's text
+
+
+class FitStopped(StateError):
+    """The guard stopped a fit before its first step."""
+
+
+def guard(on: bool = True) -> bool:
+    """Turn the guard on or off; returns whether it is on."""
+    global _guard
+    _guard = bool(on)
+    if not _guard:
+        _judged.clear()
+    hook_fit()
+    return _guard
+
+
+def guarding() -> bool:
+    return _guard
+
+
+class _AfterKerasImport(importlib.abc.MetaPathFinder):
+    """Wraps fit the moment Keras is imported (a cell that imports Keras and fits is seen too)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "keras":
+            return None
+        sys.meta_path.remove(self)  # the real finders find it
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            hook_fit()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_finder = _AfterKerasImport()
+
+
+def hook_fit() -> None:
+    """keras.Model.fit wrapped, where Keras is imported and it is not yet; else at its import."""
+    global _original
+    keras = sys.modules.get("keras")
+    model = getattr(keras, "Model", None) if keras is not None else None
+    if model is None:
+        if keras is None and _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        return
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    if _original is not None:
+        return
+    _original = model.fit
+
+    @functools.wraps(_original)
+    def fit(self, *args, **kwargs):
+        _seen(self, args, kwargs)
+        try:
+            return _original(self, *args, **kwargs)
+        finally:
+            _ended()
+
+    fit._tfmem_hook = True
+    model.fit = fit
+
+
+def unhook_fit() -> None:
+    global _original, _guard
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    keras = sys.modules.get("keras")
+    if _original is not None and keras is not None and getattr(keras.Model.fit, "_tfmem_hook", False):
+        keras.Model.fit = _original
+    _original, _guard = None, False
+    _judged.clear()
+
+
+def _argument(args, kwargs, name: str, index: int, default=None):
+    return kwargs[name] if name in kwargs else args[index] if len(args) > index else default
+
+
+def batch_of(x, batch_size) -> int | None:
+    """The fit's global batch: batch_size (Keras' 32 for arrays), a dataset's static batch axis; None
+    for a generator, or a dataset whose batch axis is not static."""
+    if batch_size is not None:
+        return int(batch_size)
+    spec = getattr(x, "element_spec", None)
+    if spec is not None:
+        import tensorflow as tf
+
+        leaves = tf.nest.flatten(spec)
+        first = leaves[0].shape[0] if leaves and getattr(leaves[0], "shape", None) is not None and \
+            leaves[0].shape.rank else None
+        return None if first is None else int(first)
+    return 32 if hasattr(x, "shape") else None
+
+
+def _seen(model, args, kwargs) -> None:
+    from ..deaths import record
+
+    x, y = _argument(args, kwargs, "x", 0), _argument(args, kwargs, "y", 1)
+    batch = batch_of(x, _argument(args, kwargs, "batch_size", 2))
+    if record.armed is not None:
+        try:
+            record.armed.note_fit(batch, getattr(model, "name", type(model).__name__))
+        except OSError:
+            pass
+    if _guard and batch is not None:
+        _judge(model, x, y, batch)
+
+
+def _ended() -> None:
+    from ..deaths import record
+
+    if record.armed is not None:
+        record.armed.fit_ended()
+
+
+def _sample(x, y):
+    spec = getattr(x, "element_spec", None)
+    if spec is not None:
+        return spec if isinstance(spec, tuple) else (spec,)
+    return (x, y) if y is not None else (x,)
+
+
+def _judge(model, x, y, batch: int) -> None:
+    """Plan the fit's step at its batch (once per model, batch and shapes); raise FitStopped where it
+    cannot fit or would abort."""
+    from ..plans.plan import batch_specs
+
+    strategy = getattr(model, "distribute_strategy", None)
+    if getattr(strategy, "num_replicas_in_sync", 1) != 1:
+        return  # a plan is of one device's step (a replica's): the fit runs unguarded
+    sample = _sample(x, y)
+    try:
+        key = (id(model), batch, repr(batch_specs(sample, batch)))
+    except Exception:  # a sample the plan cannot read (a generator's): the fit runs unguarded
+        return
+    if key not in _judged:
+        _judged[key] = _verdict(model, sample, x, y, batch)
+    if _judged[key] is not None:
+        raise FitStopped(_judged[key])
+
+
+def _verdict(model, sample, x, y, batch: int) -> str | None:
+    """None where the step fits; else the reason and the batch that fits, in one text. A graph step's
+    tensors of 2^31 elements are looked for first, from the traced step alone (no XLA compile); then the
+    step is planned at its batch (or, past the abort, at the batch under it)."""
+    import keras
+
+    from ..errors import ArgumentError
+    from ..plans import plan as plans
+
+    sizes = tuple(int(a.nbytes) for a in keras.tree.flatten((x, y)) if hasattr(a, "nbytes") and hasattr(a, "shape"))
+    risks, under = [], None
+    try:
+        risks, under = plans.graph_abort_risks(model, sample, batch)
+        planned = plans.plan(model, sample, under if risks and under else batch)
+    except ArgumentError as exc:
+        if risks:
+            return _stopped(batch, risks, under, None)
+        print(f"tfmem guard: the fit runs unplanned: {str(exc).removeprefix('plan: ')}", file=sys.stderr)
+        return None
+    fits = _fits(model, sample, planned, sizes)
+    if not risks and fits is True:
+        return None
+    return _stopped(batch, risks, under if fits is True else fits, planned)
+
+
+def _fits(model, sample, planned, sizes) -> bool | int | None:
+    """True where `planned` fits its device with the fit's data; else the largest batch below it whose plan
+    does (None: none, or no limit known)."""
+    from ..plans.need import PIPELINE_BATCHES, step_need
+    from ..plans.plan import batch_specs
+    from ..readings.fit_context import FitContext
+
+    held = (*sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
+    if planned.limit_bytes is None or planned.fits(held=held, regions=False if planned.estimate else None):
+        return True
+    context = FitContext(model, planned.batch_size, batch_specs(sample, planned.batch_size), 1, sizes)
+    return step_need(context, planned.limit_bytes).fits_batch
+
+
+def _stopped(batch: int, risks: list, fits: int | None, planned) -> str:
+    if risks:
+        first = risks[0]
+        why = (f"at batch {batch:,} its graph step makes {len(risks)} tensor{'s' if len(risks) != 1 else ''} of 2^31 "
+               f"elements or more (the first: {first.line()}): on a GPU a TensorFlow kernel counts elements in 32 "
+               "bits and its check ends the process")
+    else:
+        why = (f"at batch {batch:,} its step needs {_bytes(planned.peak_bytes)} at its peak against the limit of "
+               f"{_bytes(planned.limit_bytes)}")
+    what = f"A batch of at most {fits:,} fits by its plan" if fits else "No batch planned fits"
+    if risks and planned is None:
+        what = f"A batch of at most {fits:,} stays under 2^31 (its memory could not be planned)" if fits else what
+    return (f"tfmem guard stopped this fit before its first step: {why}. {what}"
+            + ("; or compile with jit_compile=True (XLA indexes with 64 bits)" if risks else "")
+            + ". %tfmem guard off lets it run.")
+
+
+def _bytes(count: int) -> str:
+    from ..units import format_bytes
+
+    return format_bytes(count)

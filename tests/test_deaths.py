@@ -37,7 +37,7 @@ def test_each_cause_is_told_with_its_fix():
     death = explain_death(6, f"some log\n{CHECK_LINE}\n*** Check failure stack trace: ***\n    @ 0x7f (unknown)\n",
                           batch=4096)
     assert (death.cause, death.elements, death.batch_under, death.signal) == ("2^31", 2**31, 4095, "SIGABRT (signal 6)")
-    assert death.last_words == CHECK_LINE and "a batch of at most 4,095" in death.meaning
+    assert death.last_words == CHECK_LINE and "A batch of at most 4,095" in death.meaning
     assert "jit_compile=True" in death.meaning and "not an out-of-memory" in death.meaning
     # 2^31 + 2^20 elements at batch 4,100: per row 2^31/4096 + 256 elements, the batch under 2^31 is 4,094.
     wrapped = (2**31 + 2**20) - 2**32
@@ -239,7 +239,7 @@ ip.run_line_magic("load_ext", "tfmem_widgets")
 ip.run_line_magic("tfmem", "guard")
 import keras, numpy as np, tensorflow as tf
 import tfmem_widgets.plans.plan as plans
-from tfmem_widgets.notebook.fit_hook import FitStopped
+from tfmem_widgets.errors import FitStopped
 made = []
 planning = plans.plan
 plans.plan = lambda *a, **k: (made.append(a[2]), planning(*a, **k))[1]

@@ -9,7 +9,8 @@ from tfmem_widgets import errors
 
 # Each public error and the built-in it also is.
 BUILT_IN = {"ArgumentError": ValueError, "SetupError": ValueError, "TraceDataError": ValueError,
-            "StateError": RuntimeError, "NvmlUnavailable": RuntimeError, "FreshRunError": RuntimeError}
+            "StateError": RuntimeError, "NvmlUnavailable": RuntimeError, "FreshRunError": RuntimeError,
+            "FitStopped": RuntimeError}
 
 
 def test_each_public_error_is_a_tfmem_error_and_the_built_in_it_means():
@@ -24,6 +25,7 @@ def test_each_public_error_is_a_tfmem_error_and_the_built_in_it_means():
         assert not issubclass(kind, ValueError if built_in is RuntimeError else RuntimeError), name
     assert not issubclass(tfmem_widgets.TraceDataError, tfmem_widgets.SetupError)
     assert not issubclass(tfmem_widgets.ArgumentError, tfmem_widgets.SetupError)
+    assert issubclass(tfmem_widgets.FitStopped, tfmem_widgets.StateError)  # a state (the guard's plan) forbids the fit
 
 
 def test_a_bad_argument_a_forbidding_state_and_a_broken_rule_each_raise_their_class():

@@ -14,7 +14,7 @@ only possible before its runtime starts, so nothing here may start it early.
 After %load_ext, an OOM in any cell is explained under its traceback (last_oom()).
 """
 
-from .errors import ArgumentError, FreshRunError, NvmlUnavailable, SetupError, StateError, TfmemError, TraceDataError
+from .errors import ArgumentError, FitStopped, FreshRunError, NvmlUnavailable, SetupError, StateError, TfmemError, TraceDataError
 from .fresh.run import FreshRun, run_fresh
 from .oom.explain import explain_oom, last_oom
 from .oom.report import OomReport
@@ -42,6 +42,7 @@ __all__ = [
     "TraceDataError",
     "NvmlUnavailable",
     "FreshRunError",
+    "FitStopped",
     "AllocatorMap",
     "Chunk",
     "Region",

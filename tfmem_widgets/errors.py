@@ -34,6 +34,12 @@ class NvmlUnavailable(TfmemError, RuntimeError):
     """NVML cannot be used on this machine; the message says why in one line."""
 
 
+class FitStopped(StateError):
+    """The guard (%tfmem guard) stopped a Keras fit before its first step: its step cannot fit the device, or
+    its graph step makes a tensor of 2^31 elements (an abort on a GPU). The message says why and the batch
+    that fits."""
+
+
 class FreshRunError(TfmemError, RuntimeError):
     """The code raised, or the process died, in the fresh process (its output was shown).
 

@@ -159,7 +159,7 @@ def _meaning(number, words, lab_mb, oom_killed, host, elements, batch, under) ->
     if "work_element_count" in words or any(name in words for name in _INT32_FILES):
         size = f"{elements:,} elements" if elements else "2^31 elements or more"
         at = f" at batch {batch:,}" if batch else ""
-        fix = (f"a batch of at most {under:,} keeps it under 2^31" if under is not None else
+        fix = (f"A batch of at most {under:,} keeps it under 2^31" if under is not None else
                "tfmem_widgets.plan(model, sample, batch) names the tensor and the largest batch under it")
         return "2^31", (f"a TensorFlow GPU kernel met a tensor{at} of {size}: it counts elements in a 32-bit int and "
                         f"its check ended the process (not an out-of-memory: the card may have room). {fix}; or "

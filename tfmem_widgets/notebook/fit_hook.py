@@ -15,15 +15,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-from ..errors import StateError
+from ..errors import FitStopped
 
 _original = None
 _guard = False
 _judged: dict = {}  # (model id, batch, specs) -> None (fits) or the StepStopped's text
-
-
-class FitStopped(StateError):
-    """The guard stopped a fit before its first step."""
 
 
 def guard(on: bool = True) -> bool:

@@ -3,7 +3,8 @@ Chromium, driven by Playwright.
 
 A notebook is opened and run in each frontend; the test checks in the page that the gauge renders, that its
 in-use figure changes while a training cell runs, that the setup panel shows a conflict for a
-conflicting choice, and that a traced OOM shows the map viewer. Screenshots go to
+conflicting choice, and that a traced OOM shows the map viewer; and that a kernel that dies (TensorFlow's words
+on fd 2, then abort) is explained when the kernel the server restarted loads the extension. Screenshots go to
 ci-artifacts/screenshots/. Every wait has a deadline, and the server is stopped at the end.
 """
 
@@ -262,7 +263,8 @@ _KERNEL_IDLE = ("() => { const w = window.jupyterapp.shell.currentWidget;"
                 " && w.sessionContext.session.kernel.status === 'idle'; }")
 
 
-def test_a_kernel_that_dies_is_explained_when_its_restarted_kernel_loads_the_extension(jupyterlab):
+@pytest.mark.parametrize("frontend", sorted(FRONTENDS))
+def test_a_kernel_that_dies_is_explained_when_its_restarted_kernel_loads_the_extension(jupyterlab, frontend):
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -272,13 +274,13 @@ def test_a_kernel_that_dies_is_explained_when_its_restarted_kernel_loads_the_ext
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.set_default_timeout(60_000)
-            page.goto(f"{jupyterlab}/lab/tree/browser_death.ipynb?token={TOKEN}")
+            page.goto(f"{jupyterlab}{FRONTENDS[frontend].replace('browser_check', 'browser_death')}?token={TOKEN}")
             page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=90_000)
             page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
             # The kernel dies in the second cell; the server starts it again and JupyterLab says so.
             page.wait_for_selector("text=appears to have died", timeout=120_000)
-            page.screenshot(path=str(SHOTS / "kernel_died.png"))
+            page.screenshot(path=str(SHOTS / f"{frontend}_kernel_died.png"))
             page.keyboard.press("Escape")
             page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
             page.evaluate("() => { const w = window.jupyterapp.shell.currentWidget; w.content.activeCellIndex = 0;"
@@ -287,10 +289,10 @@ def test_a_kernel_that_dies_is_explained_when_its_restarted_kernel_loads_the_ext
             try:
                 told.wait_for(timeout=120_000)
             except Exception:
-                page.screenshot(path=str(SHOTS / "kernel_death_failure.png"), full_page=True)
+                page.screenshot(path=str(SHOTS / f"{frontend}_kernel_death_failure.png"), full_page=True)
                 raise
             text = told.inner_text()
-            page.screenshot(path=str(SHOTS / "kernel_death_explained.png"), full_page=True)
+            page.screenshot(path=str(SHOTS / f"{frontend}_kernel_death_explained.png"), full_page=True)
         finally:
             browser.close()
     assert "killed by SIGABRT (signal 6)" in text and "in cell [2]:" in text and "os.abort()" in text and CHECK_LINE in text

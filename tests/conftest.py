@@ -205,3 +205,14 @@ def until_kernel_dies(manager, client, code: str, timeout: float = 300) -> None:
     while manager.is_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not manager.is_alive(), "the kernel did not die"
+
+
+def told_by_the_next_kernel(folder, records, then: tuple[str, ...] = ()) -> list[str]:
+    """A new kernel started in `folder`: what `%load_ext tfmem_widgets` says there, then each cell of `then`'s
+    output; the kernel is then shut down as Jupyter does (a shutdown request: it exits normally)."""
+    manager, client = start_kernel(folder, records)
+    try:
+        return [run_in_kernel(client, code) for code in ("%load_ext tfmem_widgets", *then)]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)

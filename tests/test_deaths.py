@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from conftest import kernel_env, run_in_kernel, start_kernel, until_kernel_dies
+from conftest import kernel_env, run_in_kernel, start_kernel, told_by_the_next_kernel, until_kernel_dies
 from tfmem_widgets.deaths.explain import explain_death
 from tfmem_widgets.deaths.record import place
 
@@ -158,24 +158,19 @@ def test_a_real_jupyter_kernel_that_dies_is_explained_by_the_next_kernel(tmp_pat
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
-    manager, client = start_kernel(folder, records)
-    try:
-        text = run_in_kernel(client, "%load_ext tfmem_widgets")
-        assert "a kernel started in this folder before this one died" in text
-        assert ("killed by SIGSEGV" in text or "killed by SIGABRT" in text) if how == "xla-oom-lab" else \
-            "killed by SIGABRT" in text
-        if how == "xla-oom-lab":
-            count = int(text.split("in cell [")[1].split("]")[0])  # (the kernel's count: the fourth cell run)
-            assert "batch_size=1024" in text and f"it died after an OOM in lab mode (cell [{count - 1}]'s)" in text
-            assert "fresh process" in text and "cudart_stub" not in text  # (no information line as last words)
-        else:
-            assert "  in cell [" in text and "      import os, keras, numpy as np" in text and CHECK_LINE in text
-            assert "met a tensor at batch 4,096 of 2,147,483,648 elements" in text and "at most 4,095" in text
-        assert "died" not in run_in_kernel(client, "%load_ext tfmem_widgets")  # (loaded already: nothing said twice)
-        assert "died: killed by SIG" in run_in_kernel(client, "%tfmem died")
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=False)
+    text, loaded_again, died = told_by_the_next_kernel(folder, records, ("%load_ext tfmem_widgets", "%tfmem died"))
+    assert "a kernel started in this folder before this one died" in text
+    assert ("killed by SIGSEGV" in text or "killed by SIGABRT" in text) if how == "xla-oom-lab" else \
+        "killed by SIGABRT" in text
+    if how == "xla-oom-lab":
+        count = int(text.split("in cell [")[1].split("]")[0])  # (the kernel's count: the fourth cell run)
+        assert "batch_size=1024" in text and f"it died after an OOM in lab mode (cell [{count - 1}]'s)" in text
+        assert "fresh process" in text and "cudart_stub" not in text  # (no information line as last words)
+    else:
+        assert "  in cell [" in text and "      import os, keras, numpy as np" in text and CHECK_LINE in text
+        assert "met a tensor at batch 4,096 of 2,147,483,648 elements" in text and "at most 4,095" in text
+    assert "died" not in loaded_again  # (loaded already: nothing said twice)
+    assert "died: killed by SIG" in died
     # the second kernel exited normally (a shutdown request): only the first's record is left, explained
     assert [p.name.startswith("explained-") for p in place(str(folder), records).iterdir()] == [True]
 

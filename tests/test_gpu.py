@@ -599,7 +599,7 @@ def test_the_guard_stops_a_fit_that_would_abort_and_a_kernel_the_abort_killed_is
     # As a user would: a Jupyter kernel, growth, the guard, the attention model without XLA. The guard stops the fit
     # at 16,384 before its first step and lets a small one run (its cost printed); with the guard off, the fit at
     # 4,096 kills the kernel in TensorFlow's check, and the next kernel started in the folder tells why.
-    from conftest import run_in_kernel, start_kernel, until_kernel_dies
+    from conftest import run_in_kernel, start_kernel, told_by_the_next_kernel, until_kernel_dies
 
     folder, records = tmp_path / "notebooks", tmp_path / "records"
     folder.mkdir()
@@ -641,12 +641,7 @@ print("guard cost, one epoch of 32 steps at 256:", {k: round(v, 2) for k, v in s
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
-    manager, client = start_kernel(folder, records)
-    try:
-        told = run_in_kernel(client, "%load_ext tfmem_widgets")
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=False)
+    (told,) = told_by_the_next_kernel(folder, records)
     print(told)
     assert "a kernel started in this folder before this one died" in told and "killed by SIGABRT (signal 6)" in told
     assert "Check failed" in told and "batch_size=4096" in told

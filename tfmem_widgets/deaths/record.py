@@ -210,8 +210,8 @@ def deaths(cwd: str | None = None, again: bool = False) -> list[Death]:
             elif again:
                 found.append((info.get("armed", 0), death_of(record)))
             continue
-        if _alive(info):
-            continue  # a kernel side by side
+        if _alive(info) or (not info and age < 60):
+            continue  # a kernel side by side, or one making its record now
         if age > KEPT_SECONDS or not info:
             shutil.rmtree(record, ignore_errors=True)
             continue

@@ -264,6 +264,13 @@ ip.run_line_magic("tfmem", "guard off")
 made.clear()
 model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 out["off"] = list(made)
+ip.run_line_magic("tfmem", "guard")
+import contextlib, io
+said = io.StringIO()
+plans.graph_abort_risks = lambda *a, **k: 1 / 0  # a fault in the guard itself: said, and the fit runs
+with contextlib.redirect_stderr(said):
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+out["broken"] = said.getvalue()
 out["fits"] = times
 out["steps"] = int(model.optimizer.iterations.numpy())
 print(json.dumps(out))
@@ -286,4 +293,5 @@ def test_the_guard_stops_a_fit_that_would_abort_or_not_fit_before_its_first_step
     assert f"A batch of at most {below:,} fits by its plan" in text
     (first, planned), (second, again) = out["fits"]
     assert planned == [8] and again == []  # one plan per model, batch and shapes
-    assert out["off"] == [] and out["steps"] == 64 // 8 * 2 + 64 // 16
+    assert out["off"] == [] and out["steps"] == 64 // 8 * 2 + 64 // 16 + 64 // 4
+    assert out["broken"].startswith("tfmem guard: the fit runs unplanned (ZeroDivisionError")

@@ -14,12 +14,13 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+import weakref
 
 from ..errors import FitStopped
 
 _original = None
 _guard = False
-_judged: dict = {}  # (model id, batch, specs) -> None (fits) or the StepStopped's text
+_judged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(batch, specs): None (fits) or why not}
 
 
 def guard(on: bool = True) -> bool:
@@ -122,17 +123,21 @@ def batch_of(x, batch_size) -> int | None:
 
 
 def _seen(model, args, kwargs) -> None:
+    """The fit noted, and judged with the guard on. Nothing here may break the user's fit but the guard's
+    own stop: anything else it meets is said in one line, and the fit runs."""
     from ..deaths import record
 
-    x, y = _argument(args, kwargs, "x", 0), _argument(args, kwargs, "y", 1)
-    batch = batch_of(x, _argument(args, kwargs, "batch_size", 2))
-    if record.armed is not None:
-        try:
+    try:
+        x, y = _argument(args, kwargs, "x", 0), _argument(args, kwargs, "y", 1)
+        batch = batch_of(x, _argument(args, kwargs, "batch_size", 2))
+        if record.armed is not None:
             record.armed.note_fit(batch, getattr(model, "name", type(model).__name__))
-        except OSError:
-            pass
-    if _guard and batch is not None:
-        _judge(model, x, y, batch)
+        if _guard and batch is not None:
+            _judge(model, x, y, batch)
+    except FitStopped:
+        raise
+    except Exception as exc:
+        print(f"tfmem guard: the fit runs unplanned ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
 
 
 def _ended() -> None:
@@ -159,13 +164,14 @@ def _judge(model, x, y, batch: int) -> None:
         return  # a plan is of one device's step (a replica's): the fit runs unguarded
     sample = _sample(x, y)
     try:
-        key = (id(model), batch, repr(batch_specs(sample, batch)))
+        key = (batch, repr(batch_specs(sample, batch)))
     except Exception:  # a sample the plan cannot read (a generator's): the fit runs unguarded
         return
-    if key not in _judged:
-        _judged[key] = _verdict(model, sample, x, y, batch)
-    if _judged[key] is not None:
-        raise FitStopped(_judged[key])
+    seen = _judged.setdefault(model, {})
+    if key not in seen:
+        seen[key] = _verdict(model, sample, x, y, batch)
+    if seen[key] is not None:
+        raise FitStopped(seen[key])
 
 
 def _verdict(model, sample, x, y, batch: int) -> str | None:

@@ -269,8 +269,8 @@ def _failure(proc, result: dict, *, timed_out: bool, timeout, work_dir: Path, du
     elif "error" in result:
         why = f"raised {result['error']}"
     elif proc.returncode < 0:
-        why = f"was killed by {_signal_name(-proc.returncode)}"
         death = _death(proc, raw_errors, setup)
+        why = f"was killed by {death.signal}"
     else:
         why = f"ended with exit code {proc.returncode}"
     oom = None if timed_out else _oom_of_child(
@@ -309,15 +309,6 @@ def _death(proc, fd2_text: str, setup: Mapping | None):
 
     lab = (setup or {}).get("lab_mb")
     return explain_death(-proc.returncode, fd2_text, pid=proc.pid, lab_mb=lab if isinstance(lab, int) else None)
-
-
-def _signal_name(number: int) -> str:
-    import signal
-
-    try:
-        return f"{signal.Signals(number).name} (signal {number})"
-    except ValueError:
-        return f"signal {number}"
 
 
 def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setup: Mapping | None, how: str,

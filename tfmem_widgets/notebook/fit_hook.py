@@ -203,14 +203,18 @@ def _fits(model, sample, planned, sizes) -> bool | int | None:
     """True where `planned` fits its device with the fit's data; else the largest batch below it whose plan
     does (None: none, or no limit known)."""
     from ..plans.need import PIPELINE_BATCHES, step_need
-    from ..plans.plan import batch_specs
+    from ..plans.plan import batch_specs, plan
     from ..readings.fit_context import FitContext
 
     held = (*sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
     if planned.limit_bytes is None or planned.fits(held=held, regions=False if planned.estimate else None):
         return True
     context = FitContext(model, planned.batch_size, batch_specs(sample, planned.batch_size), 1, sizes)
-    return step_need(context, planned.limit_bytes).fits_batch
+
+    def planner(model, sample, batch: int):  # the plan made already is not compiled again
+        return planned if batch == planned.batch_size else plan(model, sample, batch)
+
+    return step_need(context, planned.limit_bytes, planner=planner).fits_batch
 
 
 def _stopped(batch: int, risks: list, fits: int | None, planned) -> str:

@@ -63,6 +63,23 @@ def test_each_cause_is_told_with_its_fix():
     assert explain_death(6, "F0000 00:00:1.0  1 tensor.cc:1] Check failed: IsAligned()").cause == "check"
 
 
+def test_a_process_without_a_gpu_is_not_told_a_cuda_error_and_a_death_after_an_oom_is_told_as_one():
+    # A CPU machine's start-up lines (no driver: cuInit fails) are not last words; absl's warnings come before
+    # free text (an error's payload); a fresh process that met an OOM in lab mode and then died is that death.
+    fd2 = ("E0000 00:00:1.0  7 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: Failed call to "
+           "cuInit: UNKNOWN ERROR (303)\nW0000 00:00:2.0  7 local_rendezvous.cc:412] Local rendezvous is aborting "
+           "with status: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 264.08MiB.\n"
+           "[tf-allocator-allocation-error='']\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most "
+           "recent call first):\n  File \"x\", line 1 in <module>\n\nExtension modules: numpy (total: 1)\n")
+    death = explain_death(11, fd2, lab_mb=160, after_oom=True)
+    assert death.cause == "xla-oom-lab" and "it died after an OOM in lab mode:" in death.meaning
+    assert death.last_words.startswith("W0000") and "RESOURCE_EXHAUSTED" in death.last_words
+    assert explain_death(11, fd2, lab_mb=160).cause == "segfault"  # no OOM met: a CPU kernel's fault
+    caught = "W0000 00:00:1.0  7 op_kernel.cc:1858] OP_REQUIRES failed at xla_ops.cc:602 : RESOURCE_EXHAUSTED: Out"
+    assert explain_death(11, caught + "\n" + fd2, lab_mb=160).cause == "xla-oom-lab"  # an OOM the cell caught
+    assert explain_death(6, fd2.split("\n")[0]).cause == "abort"  # cuInit's line alone says nothing of the death
+
+
 def test_a_kernel_that_aborts_is_explained_by_the_next_one_started_in_its_folder(tmp_path):
     folder, other, records = tmp_path / "work", tmp_path / "elsewhere", tmp_path / "records"
     folder.mkdir()

@@ -127,13 +127,16 @@ def test_what_cannot_come_back_is_named(shell, capsys):
 def test_a_process_past_its_timeout_is_stopped_and_nothing_is_left(tmp_path):
     threads = threading.active_count()
     marker = tmp_path / "pid"
+    # (a folder it made in the temporary folder, as a trace does, goes with it: the child never removes it)
     with pytest.raises(FreshRunError, match="ran past 2 s"):
-        run_fresh(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)",
+        run_fresh(f"import os, tempfile, time\nmade = tempfile.mkdtemp(prefix='tfmem-trace-')\n"
+                  f"open({str(marker)!r}, 'w').write(f'{{os.getpid()}} {{made}}')\ntime.sleep(60)",
                   timeout=2, echo=False)
-    pid = int(marker.read_text())
+    pid, made = marker.read_text().split()
     with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+        os.kill(int(pid), 0)
     assert threading.active_count() == threads
+    assert "tfmem-fresh-" in made and not os.path.exists(made)
 
 
 def test_tensorflow_native_log_lines_are_dropped_and_python_text_kept():
@@ -184,6 +187,14 @@ def test_recorded_gpu_results_cover_every_experiment_and_say_where_they_come_fro
     collected = gpu_experiments.gpu_result("garbage_collection", live=False).values
     assert collected["after_del"] == collected["with_first"] and collected["with_second"] < collected["with_first"] + (3500 << 20)
     assert collected["without_gc"] == "OOM"
+    # Recorded alone, later, on another card: its own label; what it prints agrees with its values.
+    death = gpu_experiments.gpu_result("kernel_death", live=False)
+    label = recorded["experiments"]["kernel_death"]["environment"]
+    assert f"recorded on {label['device']}" in repr(death) and label["date"] in repr(death)
+    assert death.values["risks"]["4095"] == 0 and death.values["risks"]["4096"] > 0
+    assert death.values["died"] == -6 and death.values["xla"] == 0  # SIGABRT without XLA; with XLA it trained
+    assert "killed by SIGABRT" in death.values["told"] and "Check failed: work_element_count" in death.values["told"]
+    assert "A batch of at most 4,095" in death.values["told"] and "with jit_compile=True at 4,096: trained" in death.output
     with pytest.raises(KeyError, match="no GPU experiment 'nope'"):
         gpu_experiments.gpu_result("nope")
 

@@ -26,7 +26,11 @@ _FAULT_LINE = re.compile(r"Fatal Python error: (" + "|".join(map(re.escape, _FAU
 # absl's fatal line: F<MMDD or 0000> <time> <thread> <file>:<line>] <message>
 _NATIVE_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ (\S+:\d+)\] (.*)$")
 _NATIVE_INFO = re.compile(r"^I\d{4} [\d:.]+\s+\d+ ")  # absl's information lines: not last words
+_NATIVE_LOGGED = re.compile(r"^[EW]\d{4} [\d:.]+\s+\d+ ")
 _ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog()"
+# start-up lines of a process without a GPU (or without CUDA): not an error of the death
+_NO_GPU_WORDS = ("failed call to cuInit", "Could not find cuda drivers", "Unable to register cu")
+_XLA_OOM_RAISED = re.compile(r"xla_ops\.cc:\d+ : RESOURCE_EXHAUSTED")  # an XLA program's OOM returned as an error
 _WORK_COUNT = re.compile(r"work_element_count >= 0 \((-?\d+) vs\. 0\)")
 _INT32_FILES = ("gpu_launch_config.h", "conv_2d_gpu.h", "reduction_gpu_kernels.cu.h")
 _CUDA_WORDS = ("CUDA_ERROR", "CUDA error", "cudaError", "CUDNN_STATUS", "CUBLAS_STATUS", "illegal memory access")
@@ -66,12 +70,14 @@ def native_last_words(text: str) -> str:
     a CUDA error), else its last line that says something, leaving out faulthandler's part."""
     lines = [line.strip() for line in (text or "").splitlines()]
     fault = next((i for i, line in enumerate(lines) if _FAULT_LINE.search(line)), len(lines))
-    lines = [line for line in lines[:fault] if line and not line.startswith(("@ ", "*** Check failure"))]
+    lines = [line for line in lines[:fault] if line and not line.startswith(("@ ", "*** Check failure"))
+             and not any(words in line for words in _NO_GPU_WORDS)]
     for line in reversed(lines):
         if _NATIVE_FATAL.match(line) or "Check failed" in line or any(word in line for word in _CUDA_WORDS):
             return line[:400]
     said = [line for line in lines if not _NATIVE_INFO.match(line) and not line.startswith(_ABSL_PREAMBLE)]
-    return said[-1][:400] if said else ""
+    logged = [line for line in said if _NATIVE_LOGGED.match(line)]  # absl's errors and warnings come first
+    return (logged or said or [""])[-1][:400]
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,14 @@ class Death:
 def explain_death(returncode_signal: int | None, fd2_text: str, stacks: str = "", *, pid: int | None = None,
                   cell: int | None = None, cell_source: str = "", batch: int | None = None,
                   lab_mb: int | None = None, oom_killed: bool = False, host: str = "",
-                  oom_cell: int | None = None) -> Death:
+                  oom_cell: int | None = None, after_oom: bool = False) -> Death:
     """A Death from what the process left: the signal (its return code's, else faulthandler's), its fd 2
     (TensorFlow's words), faulthandler's stacks; `batch` the fit's batch where one was running, `lab_mb`
     its lab mode's limit where it had one, `oom_killed` where the kernel's memory accounting counted an
     OOM kill since it started, `host` what it held on the host when last seen, `oom_cell` the cell that
-    raised an OOM before (in lab mode an XLA program's OOM leaves the allocator broken)."""
+    raised an OOM before (in lab mode an XLA program's OOM leaves the allocator broken), `after_oom` where
+    the process met one and no cell is known (a fresh process); TensorFlow's own line for an XLA program's OOM
+    on fd 2 counts as one too."""
     stacks = stacks or python_stacks(fd2_text)
     number = returncode_signal if returncode_signal is not None else fault_signal(stacks)
     words = native_last_words(fd2_text)
@@ -137,9 +145,11 @@ def explain_death(returncode_signal: int | None, fd2_text: str, stacks: str = ""
         per = elements / batch
         under = max(0, -(-ELEMENT_LIMIT // int(per)) - 1) if per == int(per) else int((ELEMENT_LIMIT - 1) / per)
     cause, meaning = _meaning(number, words, lab_mb, oom_killed, host, elements, batch, under)
-    if lab_mb and oom_cell is not None and cause in ("segfault", "abort", "xla-oom-lab", "check"):
+    after_oom = after_oom or bool(_XLA_OOM_RAISED.search(fd2_text or ""))  # (one the cell caught, too)
+    if lab_mb and (oom_cell is not None or after_oom) and cause in ("segfault", "abort", "xla-oom-lab", "check"):
+        which = f" (cell [{oom_cell}]'s)" if oom_cell is not None else ""
         cause, meaning = "xla-oom-lab", (
-            f"it died after an OOM in lab mode (cell [{oom_cell}]'s): an XLA program's OOM in lab mode leaves "
+            f"it died after an OOM in lab mode{which}: an XLA program's OOM in lab mode leaves "
             "TensorFlow's CPU allocator broken, and the process aborts or faults when it next frees or runs a step "
             "(on a GPU the same OOM only raises). Restart, then lower the batch, raise the lab limit, or run such "
             "steps in a fresh process (%%tfmem fresh, tfmem_widgets.max_batch_size), where a death costs nothing")

@@ -225,6 +225,9 @@ def run_checked(code: str, *, setup: dict | None, env: Mapping[str, str] | None 
         # The child's OOM dumps land in this call's folder (gone with it, even when the child is
         # killed before its exit handlers run), unless the user chose a place of their own.
         environment.setdefault(DUMP_ENV, str(work_dir / "dump"))
+        if "TMPDIR" not in (env or {}):  # its temporary files (a trace's folder) too: a child killed leaves none
+            (work_dir / "tmp").mkdir()
+            environment["TMPDIR"] = str(work_dir / "tmp")
         dumps_before = set(dump_files(environment[DUMP_ENV]))
         with open(work_dir / "stderr.txt", "w+b") as stderr:
             proc = subprocess.Popen(
@@ -269,13 +272,16 @@ def _failure(proc, result: dict, *, timed_out: bool, timeout, work_dir: Path, du
     elif "error" in result:
         why = f"raised {result['error']}"
     elif proc.returncode < 0:
-        death = _death(proc, raw_errors, setup)
-        why = f"was killed by {death.signal}"
+        from ..deaths.explain import signal_name
+
+        why = f"was killed by {signal_name(-proc.returncode)}"
     else:
         why = f"ended with exit code {proc.returncode}"
     oom = None if timed_out else _oom_of_child(
         work_dir, dump_prefix, dumps_before, output + raw_errors, setup, why,
         died="error" not in result)
+    if proc.returncode < 0 and not why.startswith("ran past"):
+        death = _death(proc, raw_errors, setup, after_oom=oom is not None)
     how = why
     if oom is not None and remember_oom:
         from ..oom.explain import remember
@@ -285,7 +291,7 @@ def _failure(proc, result: dict, *, timed_out: bool, timeout, work_dir: Path, du
                 " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
     last = last_words(errors) or last_words(output)  # a traceback's last line is on stderr
     said = ("its output is above" if echo else f"it last wrote: {last}" if last else "it wrote nothing")
-    if death is not None and oom is None:  # TensorFlow's words (its native lines), what they mean
+    if death is not None:  # TensorFlow's words (its native lines, not faulthandler's), what they mean
         last = death.last_words or last
         said = (f"its last words on fd 2: {death.last_words}; " if death.last_words else "") + \
             f"what it means: {death.meaning}"
@@ -303,12 +309,13 @@ def last_words(text: str) -> str:
     return ""
 
 
-def _death(proc, fd2_text: str, setup: Mapping | None):
+def _death(proc, fd2_text: str, setup: Mapping | None, after_oom: bool):
     """How a child a signal ended died, told (deaths/explain.py)."""
     from ..deaths.explain import explain_death
 
     lab = (setup or {}).get("lab_mb")
-    return explain_death(-proc.returncode, fd2_text, pid=proc.pid, lab_mb=lab if isinstance(lab, int) else None)
+    return explain_death(-proc.returncode, fd2_text, pid=proc.pid, lab_mb=lab if isinstance(lab, int) else None,
+                         after_oom=after_oom)
 
 
 def _oom_of_child(work_dir: Path, prefix: str, before: set[str], text: str, setup: Mapping | None, how: str,

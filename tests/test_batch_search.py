@@ -257,6 +257,11 @@ def test_the_margins_probes_follow_the_edge_and_a_stop_there_keeps_the_edge(monk
     assert search.interrupted and search.edge == (safe, failure) and search.margin_probes == 1
     assert "interrupted while probing for the margin, after the edge was known: the recommended batch was " \
         "measured by 1 probe(s)" in repr(search)
+    # Ctrl-C before the first probe ended: nothing was measured, and nothing is said to have run out of memory.
+    search = _made_up_search(monkeypatch, 4200, peak, raise_at=(1, KeyboardInterrupt()))
+    assert search.interrupted and search.probes == [] and search.largest is None
+    assert "nothing measured: the search was interrupted before its first probe ended" in repr(search)
+    assert "out of memory" not in repr(search).split("note:")[0]
     # A margin probe's process failing (not an OOM) ends the margin's probes with a note; the edge stands.
     search = _made_up_search(monkeypatch, 4200, peak, raise_at=(own + 2, FreshRunError("max_batch_size: the probe "
                                                                                        "at batch 3,600 ran past 600 s")))

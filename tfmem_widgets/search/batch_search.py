@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ArgumentError, StateError
 from ..text import LinesText
-from ..units import MiB, format_bytes
+from ..units import format_bytes
 from .next_probe import next_batch, settle_recommended
 from .probe import Probe, first_line
 from .progress import progress_for
@@ -245,8 +245,13 @@ class BatchSearch(LinesText):
         out = [head]
         largest = self.largest
         safe, failure = self.edge
-        if largest is None:
-            out.append(f"  nothing trained: a batch of {self.low} ran out of memory")
+        if largest is None and not self.probes:
+            out.append("  nothing measured: the search was interrupted before its first probe ended" if self.interrupted
+                       else "  nothing measured: no probe ran")
+        elif largest is None:
+            first = min(self.probes, key=lambda p: p.batch)
+            out.append(f"  nothing trained: a batch of {first.batch:,} "
+                       + (f"did not train ({first.verdict})" if first.verdict in DEATHS else "ran out of memory"))
         else:
             rec = self.recommended
             out.append(f"  largest batch that trained: {largest:,}"
@@ -313,34 +318,9 @@ class BatchSearch(LinesText):
     def plot(self, ax=None, pick: int | None = None):
         """Peak against batch: the batches that trained, the failures (at the limit, red x),
         the limit, the line through the peaks, and, with `pick`, the limit that batch needs."""
-        import matplotlib.pyplot as plt
+        from .picture import plot_search
 
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 4.2))
-        fitted, failed = self.fitted, self.failed
-        if fitted:
-            ax.plot([p.batch for p in fitted], [p.peak_bytes / MiB for p in fitted], "o", color="#1f77b4",
-                    label="trained: the allocator's peak")
-        top = self.limit_bytes / MiB if self.limit_bytes else max([p.peak_bytes / MiB for p in fitted] or [1])
-        if failed:
-            ax.plot([p.batch for p in failed], [top] * len(failed), "x", color="#d62728", markersize=9,
-                    label="out of memory")
-        if self.limit_bytes:
-            ax.axhline(top, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(self.limit_bytes)}")
-        model = self.peak_model()
-        right = max([p.batch for p in self.probes] + [1])
-        if model is not None:
-            ax.plot([0, right], [model[0] / MiB, (model[0] + model[1] * right) / MiB], "--", color="#888",
-                    linewidth=1, label="peak = fixed + per example x batch")
-        if pick is not None and model is not None:
-            need = self.needs_bytes(pick)
-            ax.plot([pick], [need / MiB], "s", color="#ff7f0e", label=f"batch {pick:,} needs {format_bytes(need)}")
-        ax.set_xlabel("batch (examples)")
-        ax.set_ylabel("MiB")
-        ax.set_title(f"largest batch that trained: {self.largest:,}" if self.largest else "nothing trained")
-        ax.set_ylim(bottom=0)
-        ax.legend(loc="upper left", fontsize=8)
-        return ax
+        return plot_search(self, ax, pick)
 
 
 # -- the search ----------------------------------------------------------------------------

@@ -174,6 +174,14 @@ print(json.dumps({"raised": type(result.error_in_exec).__name__, "keys": list(la
 KERAS_XLA = KERAS.replace('jit_compile=False', 'jit_compile=True') + "sys.stdout.flush(); os._exit(0)\n"
 
 
+# The same model trained at 32 rows in a 256 MB lab, its validation at 8,192: the OOM comes in the validation step.
+KERAS_VALIDATION = KERAS.replace('"%tfmem setup --lab 160"', '"%tfmem setup --lab 256"').replace(
+    'result = cell("model.fit(x, y, batch_size=4096, epochs=1, verbose=0)")',
+    'result = cell("model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0, validation_data=(x, y), '
+    'validation_batch_size=8192)")')
+assert KERAS_VALIDATION.count("validation_batch_size=8192") == 1 and "--lab 256" in KERAS_VALIDATION
+
+
 # A batch an OOM report names, tried in a fresh process at the same limit.
 TRAIN_AT = """
 import json, os, tfmem_widgets
@@ -214,7 +222,8 @@ print(json.dumps({"keys": list(layers), "totals": dict(layers.items()), "total":
 @pytest.fixture(scope="module")
 def keras_ooms():
     procs = {"plain": start_fresh(KERAS), "recorded": start_fresh(KERAS, {"RECORD": "1"}),
-             "xla": start_fresh(XLA_TRACE), "xla_oom": start_fresh(KERAS_XLA)}
+             "xla": start_fresh(XLA_TRACE), "xla_oom": start_fresh(KERAS_XLA),
+             "validation": start_fresh(KERAS_VALIDATION)}
     return {name: finish_fresh(p, timeout=300) for name, p in procs.items()}
 
 
@@ -249,6 +258,17 @@ def test_a_keras_fit_oom_says_what_the_step_needs_and_the_most_that_can_fit(kera
     # optimizer update's temporaries are not fused). The batch just past it does not train.
     past = finish_fresh(start_fresh(TRAIN_AT, {"BATCH": str(need["fails"])}), timeout=300)
     assert past["raised"] == "ResourceExhaustedError"
+
+
+def test_an_oom_in_the_fits_validation_is_told_as_the_validation_with_its_batch_and_fixes(keras_ooms):
+    out = keras_ooms["validation"]
+    assert out["raised"] == "ResourceExhaustedError"
+    need = out["need"]
+    assert need["batch"] == 8192 and need["source"] == "validation" and need["peak"] is None and need["fits"] is None
+    assert "the fit's validation (the evaluate Keras runs at an epoch's end) at its batch of 8,192" in out["shown"]
+    assert "what fits" not in out["shown"] and "at batch 32" not in out["shown"]
+    assert out["fixes"][0].startswith("a smaller validation batch: validation_batch_size")
+    assert not any("start from an empty pool" in fix for fix in out["fixes"])
 
 
 def test_an_xla_fit_refused_is_planned_while_it_waits_and_told_what_fits(keras_ooms):
@@ -329,7 +349,7 @@ print(json.dumps({"err": said.getvalue(), "shown": shown.getvalue()}))
 def test_lab_mode_hazards_are_said_before_the_cell_runs_once_each():
     done = finish_fresh(start_fresh(HAZARDS))
     out = done["err"]
-    assert out.count("aborts the whole process") == 1 and "%%tfmem fresh" in out
+    assert out.count("kills the whole process") == 1 and "%%tfmem fresh" in out
     assert out.count("segmentation fault") == 1
     # and at the setup itself, when it can still be acted on: TensorFlow was imported first
     assert "oneDNN's kernels stay on: TensorFlow was imported before this setup" in done["shown"]

@@ -164,7 +164,9 @@ def with_need(report: OomReport, fit: FitContext | None, early: StepNeed | None 
     planned here, or from XLA's request."""
     if fit is None or report.map is None:
         return report
-    if early is not None and early.peak_bytes is not None:
+    if fit.phase == "validation":
+        report.need = StepNeed.of_validation(fit.batch_size, sum(fit.data_sizes))
+    elif early is not None and early.peak_bytes is not None:
         report.need = early
     elif report.xla:
         report.need = xla_request_need(fit, report)

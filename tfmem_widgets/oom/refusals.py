@@ -70,7 +70,7 @@ class _RefusalWatch(threading.Thread):
             from ..readings.fit_context import fit_context_of_thread
 
             self.fit = fit_context_of_thread(self.main_thread)
-            if self.fit is not None and getattr(self.fit.model, "jit_compile", None) is True:
+            if self.fit is not None and self.fit.phase == "train" and getattr(self.fit.model, "jit_compile", None) is True:
                 self.planning = threading.Thread(target=self._plan_early, name="tfmem-early-plan", daemon=True)
                 self.planning.start()
         if final or frontend().fresh_child:  # a fresh child's stderr is shown only when it ends

@@ -183,6 +183,8 @@ class OomReport(LinesText):
         out = []
         if self.map is None or self.request_bytes is None:
             return out
+        if self.need is not None and self.need.phase == "validation":
+            return self._validation_fixes()
         need = self.need if self.need is not None and self.need.peak_bytes is not None else None
         if verdict == FRAGMENTATION:
             total = self.map.in_use_bytes + self.request_bytes
@@ -241,6 +243,16 @@ class OomReport(LinesText):
         elif verdict == FRAGMENTATION and need is not None and (need.fits_batch or 0) < need.batch_size:
             out = self._smaller_step_fixes(need, verdict) + out  # the step itself does not fit: first
         return out
+
+    def _validation_fixes(self) -> list[str]:
+        """An OOM in the fit's validation: its batch and data are the validation's, and a fresh pool would meet
+        the same step."""
+        batch = self.need.batch_size
+        return [f"a smaller validation batch: validation_batch_size (it defaults to the fit's batch_size; here "
+                f"{batch:,}) sizes the validation step, which runs the model forward on that many rows at once",
+                "validation_data as a tf.data pipeline built on the host (with tf.device('CPU:0')), batched: Keras "
+                "then holds one validation batch on the device, not the whole arrays",
+                "an empty pool does not help: a fresh process meets the same validation step"]
 
     def _smaller_step_fixes(self, need: StepNeed | None, verdict: str) -> list[str]:
         """A smaller step: in terms of the step where its need is known; where it is not, the request

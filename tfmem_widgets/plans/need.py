@@ -53,6 +53,14 @@ class StepNeed:
     note: str = ""  # what stopped the plans early, or why there are none
     least_limit_bytes: int | None = None  # the least limit the step fits at its batch, with the fit's data and
     # its buffers placed as the allocator places them (StepPlan.least_limit_bytes); None: not planned
+    phase: str = "train"  # "validation": the OOM came in the fit's validation, whose step is not planned
+
+    @classmethod
+    def of_validation(cls, batch_size: int, data_bytes: int) -> StepNeed:
+        held = f"; its arrays, {format_bytes(data_bytes)}, are held on the device with the fit's" if data_bytes else ""
+        return cls(batch_size, phase="validation", source="validation", note=(
+            f"the step: the fit's validation (the evaluate Keras runs at an epoch's end) at its batch of {batch_size:,}"
+            f", not the train step{held}; the train step's plans do not apply, so none was made"))
 
     def lines(self, limit_text: str) -> list[str]:
         out = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,21 @@ class FitContext:
     sample: object  # the dataset's element_spec: (x, y[, sample_weight]) as tf.TensorSpecs
     replicas: int = 1
     data_sizes: tuple[int, ...] = ()  # the arrays fit was given (x, y, sample_weight): Keras holds each as a tensor
+    phase: str = "train"  # "validation": inside the fit's evaluate (validation_data), its batch and data
 
 
 def fit_context(frame) -> FitContext | None:
-    """The innermost Keras fit among `frame` and its callers, or None."""
+    """The innermost Keras fit among `frame` and its callers, or None. Inside the fit's validation (the
+    evaluate it calls at an epoch's end) the context is the validation's: its batch, specs and data."""
+    validation = None
     while frame is not None:
-        if frame.f_code.co_name == "fit":
+        name = frame.f_code.co_name
+        if name == "evaluate" and validation is None:
+            validation = _of_fit_locals(frame.f_locals)
+        elif name == "fit":
             found = _of_fit_locals(frame.f_locals)
             if found is not None:
-                return found
+                return found if validation is None else replace(validation, phase="validation")
         frame = frame.f_back
     return None
 
@@ -84,7 +90,7 @@ class FitSpotter(threading.Thread):
             found = fit_context_of_thread(self.thread_id)
         except Exception:  # frames that vanish while read: the next look sees them
             return
-        if found is not None and len(self.seen) < 8:
+        if found is not None and found.phase == "train" and len(self.seen) < 8:  # (a validation's is no train step)
             key = (id(found.model), found.batch_size)
             if key not in self.seen:
                 self.seen[key] = (weakref.ref(found.model), found.batch_size, found.sample)

@@ -1,8 +1,9 @@
 """Lab-mode OOMs that kill the process, said before the cell runs.
 
 What TensorFlow 2.21 does on the CPU's BFC allocator (lab mode):
-- an XLA program (``jit_compile=True``) that runs out of memory raises, then TensorFlow aborts
-  while freeing a buffer (``bfc_allocator.cc:711 Check failed: h != kInvalidChunkHandle``);
+- an XLA program (``jit_compile=True``) that runs out of memory raises, then TensorFlow dies at the
+  next step (a segmentation fault) or while freeing a buffer (``bfc_allocator.cc:711 Check failed:
+  h != kInvalidChunkHandle``);
 - with oneDNN's kernels on (the x86 Linux default), an OOM inside a oneDNN fused kernel (a
   Dense layer's matmul + bias in a tf.function or a Keras fit) is a segmentation fault.
 In a notebook either one kills the kernel. ``%tfmem setup --lab N`` made before TensorFlow is
@@ -24,10 +25,10 @@ _KERAS_WORK = re.compile(r"\.fit\s*\(|\.train_on_batch\s*\(|\.evaluate\s*\(|\.pr
 _FRESH_CALL = re.compile(r"\brun_fresh\s*\(")
 _said: set[str] = set()
 
-XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory aborts the whole process "
-              "(measured with TensorFlow 2.21: bfc_allocator.cc:711's check fails while freeing a buffer), so a "
-              "kernel running it dies; run the cell with %%tfmem fresh (its own process), or compile with "
-              "jit_compile=False")
+XLA_HAZARD = ("lab mode: an XLA program (jit_compile=True) that runs out of memory kills the whole process: "
+              "the OOM raises, and TensorFlow, its CPU allocator left broken, dies at the next step or as it frees the "
+              "program's buffers (measured with TensorFlow 2.21: a segmentation fault, or bfc_allocator.cc:711's "
+              "check); run the cell with %%tfmem fresh (its own process), or compile with jit_compile=False")
 ONEDNN_HAZARD = ("lab mode with oneDNN's kernels on: an OOM inside a oneDNN fused kernel (a Dense layer in a "
                  "tf.function or a Keras fit) is a segmentation fault that kills the kernel (measured with "
                  "TensorFlow 2.21); run %tfmem setup --lab N before importing TensorFlow (it turns oneDNN off), or "

@@ -420,6 +420,58 @@ result = {"added": [after[i] - before[i] for i in range(2)], "peaks": peaks}
 """,
         setup={"split": [1024, 1024], "force_growth": True},
     ),
+    "kernel_death": Experiment(
+        "A graph step at 2^31 elements: named by its plan, ended by TensorFlow's check, told by the next session;"
+        " with XLA it trains",
+        """
+import os, subprocess, sys, tempfile
+import numpy as np
+import tfmem_widgets
+MODEL = '''
+import keras, numpy as np
+L = keras.layers
+tokens = keras.Input((256,), dtype="int32")
+h = L.Embedding(1000, 512, name="embed")(tokens)
+h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=8, key_dim=64, name="attn")(h, h))
+h = L.LayerNormalization(name="ln2")(h + L.Dense(512, name="ffn_out")(L.Dense(2048, activation="relu", name="ffn_in")(h)))
+model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)))
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=JIT)
+'''
+FIT = ('model.fit(np.ones((4096, 256), "int32"), np.ones((4096,), "int64"), batch_size=4096, epochs=1, verbose=0)\\n'
+       'print("trained at 4,096")')
+exec(MODEL.replace("JIT", "False"))
+sample = (np.ones((2, 256), "int32"), np.ones((2,), "int64"))
+plans = {}
+for batch in (4095, 4096):
+    plans[batch] = tfmem_widgets.plan(model, sample, batch)
+    named = plans[batch].abort_risks
+    print(f"the plan at {batch:,} rows (jit_compile=False): {len(named)} tensor(s) of 2^31 elements or more"
+          + (f", the first {named[0].tensor.layer} {list(named[0].shape)}" if named else ""))
+folder, records = tempfile.mkdtemp(), tempfile.mkdtemp()
+env = {k: v for k, v in os.environ.items() if k != "TFMEM_KERNEL_RECORD"}
+env["TFMEM_KERNELS_DIR"] = records
+SESSION = ("from IPython.testing.globalipapp import start_ipython\\nip = start_ipython()\\n"
+           "ip.run_line_magic('load_ext', 'tfmem_widgets')\\n")
+def session(cells):
+    script = SESSION + "".join(f"ip.run_cell({cell!r}, store_history=True)\\n" for cell in cells) + "print('ended')"
+    return subprocess.run([sys.executable, "-c", script], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=900)
+died = session(["%tfmem setup --growth", MODEL.replace("JIT", "False"), FIT])
+print(f"an IPython session fitting at 4,096 without XLA: return code {died.returncode}"
+      + (" (SIGABRT)" if died.returncode == -6 else ""))
+told = session([]).stdout
+head = told.split("  Python's stacks at the signal")[0].rstrip()
+print("the next session started in its folder, on %load_ext tfmem_widgets:")
+print("\\n".join("  " + line for line in head.splitlines()))
+xla = session(["%tfmem setup --growth", MODEL.replace("JIT", "True"), FIT])
+print("the same model with jit_compile=True at 4,096:", "trained" if "trained at 4,096" in xla.stdout
+      else f"did not train (return code {xla.returncode})")
+result = {"risks": {b: len(p.abort_risks) for b, p in plans.items()}, "died": died.returncode,
+          "told": told, "xla": xla.returncode}
+""",
+        setup={"growth": True},  # the plans' process holds little beside the sessions it starts
+        env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
+    ),
 }
 
 
@@ -540,26 +592,36 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
         return GpuResult(name, title, source, output, values, True)
     recorded = json.loads(RECORDED.read_text())
     entry = recorded["experiments"][name]
-    label = recorded["environment"]
+    label = entry.get("environment", recorded["environment"])  # one recorded later, on another card
     source = (f"recorded on {label['device']} (driver {label['driver']}), {versions_label(label)}, "
               f"{label['date']}; {libraries_label(label['libraries'])}: no GPU here, so not run live")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)
 
 
-def record(path: Path = RECORDED) -> dict:
-    """Run every experiment on this machine's GPU and write them to `path`."""
+def record(path: Path = RECORDED, names: list[str] | None = None) -> dict:
+    """Run every experiment (or those `names`) on this machine's GPU and write them to `path`; an experiment
+    recorded alone keeps the card it ran on beside the others'."""
     if not _gpu_here():
         raise SystemExit("recording needs a GPU that TensorFlow sees; none here")
-    data = {"environment": _environment_label(libraries=True), "experiments": {}}
-    for name in EXPERIMENTS:
+    unknown = sorted(set(names or ()) - set(EXPERIMENTS))
+    if unknown:
+        raise SystemExit(f"no GPU experiment {', '.join(unknown)}; there are: {', '.join(EXPERIMENTS)}")
+    label = _environment_label(libraries=True)
+    data = json.loads(Path(path).read_text()) if names else {"environment": label, "experiments": {}}
+    for name in names or EXPERIMENTS:
         print(f"== {name}", flush=True)
         output, values = run_experiment(name, echo=True)
         data["experiments"][name] = {"output": output, "values": values}
+        if names:
+            data["experiments"][name]["environment"] = label
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return data
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["record"]:
-        raise SystemExit("usage: python notebooks/gpu_experiments.py record [PATH]")
-    record(Path(sys.argv[2]) if len(sys.argv) > 2 else RECORDED)
+    args = sys.argv[1:]
+    if args[:1] != ["record"]:
+        raise SystemExit("usage: python notebooks/gpu_experiments.py record [PATH] [--only NAME ...]")
+    only = args[args.index("--only") + 1:] if "--only" in args else None
+    paths = args[1:args.index("--only")] if "--only" in args else args[1:]
+    record(Path(paths[0]) if paths else RECORDED, only)

@@ -1,4 +1,4 @@
-"""The workbook's shape: nine notebooks in reading order, each with learning goals, an exercise
+"""The workbook's shape: ten notebooks in reading order, each with learning goals, an exercise
 with a check cell, a summary of claims, outputs stored, and nothing excused from nbval."""
 
 import json
@@ -9,7 +9,8 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_tour", "01_reserved_limits", "02_fragmentation", "03_allow_growth",
-            "04_gradient_accumulation", "05_many_devices", "06_keras_oom", "07_what_fits", "08_plan_before_you_run"]
+            "04_gradient_accumulation", "05_many_devices", "06_keras_oom", "07_what_fits", "08_plan_before_you_run",
+            "09_when_the_kernel_dies"]
 # nbval's markers that would excuse a cell from the comparison or from running.
 EXCUSES = {"nbval-skip", "nbval-ignore-output", "nbval-check-output"}
 

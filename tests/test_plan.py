@@ -159,6 +159,40 @@ def test_a_step_without_xla_is_an_estimate_a_too_big_one_does_not_fit_and_bad_in
     assert "leading (batch) axis" in out["refused"][3]
 
 
+REPLICATED = """
+import json, keras, numpy as np, tensorflow as tf
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+x, y = np.ones((512, 64), "float32"), np.ones((512, 1), "float32")
+refused = []
+for inside in (False, True):
+    try:
+        if inside:
+            with strategy.scope():
+                tfmem_widgets.plan(model, (x, y), 64)
+        else:
+            tfmem_widgets.plan(model, (x, y), 64)
+        refused.append(None)
+    except Exception as error:
+        refused.append([type(error).__name__, str(error)])
+history = model.fit(x, y, batch_size=64, epochs=1, verbose=0)   # the user's own fit, after the plans
+print(json.dumps({"refused": refused, "loss": history.history["loss"]}))
+"""
+
+
+def test_a_model_built_under_a_strategy_is_refused_in_one_line_and_its_fit_still_runs():
+    out = run_fresh(REPLICATED, timeout=300)
+    for name, text in out["refused"]:  # outside the strategy's scope, where fit is called, and inside it
+        assert name == "ArgumentError" and "\n" not in text and text.startswith("plan: the model was built under "
+                                                                                 "MirroredStrategy (2 replicas)")
+        assert "the global batch divided by 2" in text
+    assert len(out["loss"]) == 1  # the optimizer was left to the fit, which trained
+
+
 ABORTS = """
 import json, keras, numpy as np, tensorflow as tf
 import tfmem_widgets

@@ -173,7 +173,8 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     seconds = NEED_SECONDS if seconds is None else seconds
     if fit.replicas != 1:
         return StepNeed(fit.batch_size, note=f"a fit on {fit.replicas} replicas: plans are of one device's step; "
-                        "plan one replica's batch with tfmem_widgets.plan")
+                        "plan one replica's: the same model built without the strategy, with tfmem_widgets.plan at "
+                        f"{fit.batch_size:,} / {fit.replicas} = {fit.batch_size // fit.replicas:,} rows")
     if planner is None and not (device := device_of(fit.model)).startswith("CPU"):
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()

@@ -381,6 +381,13 @@ def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
         return ()
 
 
+def _replicas(model) -> int:
+    try:
+        return int(model.distribute_strategy.num_replicas_in_sync)
+    except Exception:  # a Keras without the attribute: one device
+        return 1
+
+
 def plan(model, sample, batch_size: int) -> StepPlan:
     """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs.
 
@@ -402,6 +409,12 @@ def plan(model, sample, batch_size: int) -> StepPlan:
                             + ("" if not isinstance(model, keras.Model) else " with no optimizer (compile it first)") + ".")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
+    replicas = _replicas(model)
+    if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
+        raise ArgumentError(
+            f"plan: the model was built under {type(model.distribute_strategy).__name__} ({replicas} replicas), whose "
+            "variables live on each replica's device: plan one replica's step instead, the same model built without "
+            f"the strategy, at the global batch divided by {replicas}.")
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)

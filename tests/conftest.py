@@ -174,11 +174,13 @@ def kernel_env(records) -> dict:
     return env
 
 
-def start_kernel(folder, records):
-    """A real Jupyter kernel started in `folder`, its records under `records`: (manager, client)."""
+def start_kernel(folder, records, **env):
+    """A real Jupyter kernel started in `folder`, its records under `records` (`env`: more variables):
+    (manager, client)."""
     from jupyter_client.manager import start_new_kernel
 
-    return start_new_kernel(kernel_name="python3", cwd=str(folder), env=kernel_env(records), startup_timeout=120)
+    return start_new_kernel(kernel_name="python3", cwd=str(folder), env={**kernel_env(records), **env},
+                            startup_timeout=120)
 
 
 def run_in_kernel(client, code: str, timeout: float = 300) -> str:

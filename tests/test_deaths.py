@@ -75,6 +75,12 @@ def test_a_process_without_a_gpu_is_not_told_a_cuda_error_and_a_death_after_an_o
     assert death.cause == "xla-oom-lab" and "it died after an OOM in lab mode:" in death.meaning
     assert death.last_words.startswith("W0000") and "RESOURCE_EXHAUSTED" in death.last_words
     assert explain_death(11, fd2, lab_mb=160).cause == "segfault"  # no OOM met: a CPU kernel's fault
+    # tf.data's iterator refused memory, then the fault (issue 43 fault 7): the refusal is its last words
+    data = ("W0000 00:00:1.0  7 bfc_allocator.cc:502] Allocator (bfc_cpu_allocator_for_gpu) ran out of memory trying "
+            "to allocate 64.00MiB (rounded to 67108864)requested by op MakeIterator\n"
+            "W0000 00:00:1.1  7 bfc_allocator.cc:513] ****______*__\nFatal Python error: Segmentation fault\n")
+    death = explain_death(11, data, lab_mb=128)
+    assert death.cause == "segfault" and "MakeIterator" in death.last_words and "inside tf.data" in death.meaning
     caught = "W0000 00:00:1.0  7 op_kernel.cc:1858] OP_REQUIRES failed at xla_ops.cc:602 : RESOURCE_EXHAUSTED: Out"
     assert explain_death(11, caught + "\n" + fd2, lab_mb=160).cause == "xla-oom-lab"  # an OOM the cell caught
     assert explain_death(6, fd2.split("\n")[0]).cause == "abort"  # cuInit's line alone says nothing of the death
@@ -161,9 +167,10 @@ model.fit(np.ones((4096, 4), "float32"), np.ones((4096, 1), "float32"), batch_si
 
 @pytest.mark.parametrize("how", ["xla-oom-lab", "check-in-a-fit"])
 def test_a_real_jupyter_kernel_that_dies_is_explained_by_the_next_kernel(tmp_path, how):
-    folder, records = tmp_path / "notebooks", tmp_path / "records"
+    folder, records, temporary = tmp_path / "notebooks", tmp_path / "records", tmp_path / "tmp"
     folder.mkdir()
-    manager, client = start_kernel(folder, records)
+    temporary.mkdir()
+    manager, client = start_kernel(folder, records, TMPDIR=str(temporary))
     try:
         assert "died" not in run_in_kernel(client, "%load_ext tfmem_widgets")
         if how == "xla-oom-lab":
@@ -190,6 +197,11 @@ def test_a_real_jupyter_kernel_that_dies_is_explained_by_the_next_kernel(tmp_pat
     assert "died: killed by SIG" in died
     # the second kernel exited normally (a shutdown request): only the first's record is left, explained
     assert [p.name.startswith("explained-") for p in place(str(folder), records).iterdir()] == [True]
+    # the dead kernel's OOM dumps went into its record (cleaned with it), none into the temporary folder
+    assert not list(temporary.glob("tfmem-oom-*"))
+    if how == "xla-oom-lab":
+        (told,) = place(str(folder), records).iterdir()
+        assert list(told.glob("tfmem-oom-*/dump*"))
 
 
 def test_a_fresh_process_that_aborts_is_explained_where_it_was_started():

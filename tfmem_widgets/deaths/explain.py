@@ -31,6 +31,7 @@ _ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog()"
 # start-up lines of a process without a GPU (or without CUDA): not an error of the death
 _NO_GPU_WORDS = ("failed call to cuInit", "Could not find cuda drivers", "Unable to register cu")
 _XLA_OOM_RAISED = re.compile(r"xla_ops\.cc:\d+ : RESOURCE_EXHAUSTED")  # an XLA program's OOM returned as an error
+_DATA_OP = re.compile(r"requested by op (\S*(?:Iterator|Dataset)\S*)")  # tf.data's kernels, in the refusal's line
 _WORK_COUNT = re.compile(r"work_element_count >= 0 \((-?\d+) vs\. 0\)")
 _INT32_FILES = ("gpu_launch_config.h", "conv_2d_gpu.h", "reduction_gpu_kernels.cu.h")
 _CUDA_WORDS = ("CUDA_ERROR", "CUDA error", "cudaError", "CUDNN_STATUS", "CUBLAS_STATUS", "illegal memory access")
@@ -77,7 +78,8 @@ def native_last_words(text: str) -> str:
             return line[:400]
     said = [line for line in lines if not _NATIVE_INFO.match(line) and not line.startswith(_ABSL_PREAMBLE)]
     logged = [line for line in said if _NATIVE_LOGGED.match(line)]  # absl's errors and warnings come first
-    return (logged or said or [""])[-1][:400]
+    refused = [line for line in logged if "ran out of memory trying to allocate" in line]  # the allocator's refusal
+    return (refused or logged or said or [""])[-1][:400]
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,13 @@ def _meaning(number, words, lab_mb, oom_killed, host, elements, batch, under) ->
         return "check", ("a check in TensorFlow's C++ failed and ended the process (a CHECK aborts; Python cannot "
                          "catch it): its words above say which")
     if number == signals.SIGSEGV:
+        data_op = _DATA_OP.search(words)
+        if lab_mb and data_op:
+            return "segfault", (f"a segmentation fault in lab mode ({lab_mb:,} MB) after tf.data's own kernel "
+                                f"{data_op.group(1)} was refused memory: an out-of-memory inside tf.data (its iterator "
+                                "taking in from_tensor_slices' arrays, a batch) ends the process instead of raising; "
+                                "keep the pipeline's tensors well under the lab limit (build the dataset from files, "
+                                "or smaller batches), or run the fit in a fresh process (%%tfmem fresh)")
         if lab_mb:
             return "segfault", (f"a segmentation fault in lab mode ({lab_mb:,} MB): an out-of-memory inside a CPU "
                                 "kernel (oneDNN's or Eigen's) ends the process this way instead of raising; lower "

@@ -123,7 +123,7 @@ def load(ipython) -> None:
     ipython.register_magics(TfmemMagics)
     tell_deaths()
     record.arm()
-    watch_oom()
+    watch_oom(parent=str(record.armed.folder) if record.armed is not None else None)
     use_frontend(Frontend(namespace=lambda: ipython.user_ns, progress=notebook_progress))
     for event, hook in _HOOKS:
         if hook not in ipython.events.callbacks[event]:

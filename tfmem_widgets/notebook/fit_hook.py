@@ -17,6 +17,7 @@ import sys
 import weakref
 
 from ..errors import FitStopped
+from .hazards import warn_at_fit
 
 _original = None
 _guard = False
@@ -132,6 +133,7 @@ def _seen(model, args, kwargs) -> None:
         batch = batch_of(x, _argument(args, kwargs, "batch_size", 2))
         if record.armed is not None:
             record.armed.note_fit(batch, getattr(model, "name", type(model).__name__))
+        warn_at_fit(x)
         if _guard and batch is not None:
             _judge(model, x, y, batch)
     except FitStopped:

@@ -33,15 +33,17 @@ _atexit_registered = False
 KEEP_REPORTED = 4  # the dumps of the last reports the package's folder keeps (an error explained again reads its own)
 
 
-def watch_oom() -> str:
-    """Make TensorFlow write its allocator dump at every OOM; returns where. Idempotent."""
+def watch_oom(parent: str | None = None) -> str:
+    """Make TensorFlow write its allocator dump at every OOM; returns where. Idempotent. parent: the folder
+    the package's own folder is made in (a kernel's record: if the kernel dies, its dumps go with the record
+    when the record is cleaned, not left in the temporary folder)."""
     global _folder, _prefix, _atexit_registered
     with _lock:
         user = os.environ.get(DUMP_ENV)
         if user and user != _prefix:
             return user  # the user's own place: used as it is
         if _prefix is None:
-            _folder = tempfile.mkdtemp(prefix="tfmem-oom-")
+            _folder = tempfile.mkdtemp(prefix="tfmem-oom-", dir=parent)
             _prefix = os.path.join(_folder, "dump")
             dump_place.claim(_prefix, _OWNER, keep_reported=KEEP_REPORTED)
             if not _atexit_registered:

@@ -207,7 +207,7 @@ ONEDNN_ON_NOTE = ("oneDNN's kernels stay on: TensorFlow was imported before this
 
 
 ONEDNN_OFF_NOTE = ("oneDNN's kernels off (TF_ENABLE_ONEDNN_OPTS=0, set before TensorFlow's import): in lab mode an "
-                   "OOM inside a oneDNN fused kernel crashes the process, Eigen's kernels raise it")
+                   "OOM inside a oneDNN fused kernel crashes the process, Eigen's kernels raise it, tf.data's do not")
 
 
 def before_import(options: dict) -> None:

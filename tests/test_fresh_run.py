@@ -114,6 +114,8 @@ def test_an_error_in_the_cell_shows_its_traceback_and_fails_the_cell(shell, caps
         shell.run_cell_magic("tfmem", "fresh", "print('before')\n1 / 0")
     out = capsys.readouterr().out
     assert "before" in out and "ZeroDivisionError" in out
+    with pytest.raises(UsageError, match=r"raised SystemExit\(3\); the code called sys.exit"):
+        shell.run_cell_magic("tfmem", "fresh", "import sys\nsys.exit(3)")
 
 
 def test_what_cannot_come_back_is_named(shell, capsys):

@@ -159,6 +159,52 @@ def test_a_step_without_xla_is_an_estimate_a_too_big_one_does_not_fit_and_bad_in
     assert "leading (batch) axis" in out["refused"][3]
 
 
+def test_numpy_integers_are_whole_numbers_and_a_model_that_is_not_one_is_said_in_one_line():
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    sample = (np.ones((2, 4), "float32"), np.ones((2, 2), "float32"))
+    assert tfmem_widgets.plan(model, sample, np.int64(8)).batch_size == 8
+    bare = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    bare.compile(optimizer=None, loss="mse")
+    with pytest.raises(ArgumentError, match=r"compiled without an optimizer: a train step needs one"):
+        tfmem_widgets.plan(bare, sample, 8)
+    with pytest.raises(ArgumentError, match="model must be the fit's compiled Keras model, got str"):
+        tfmem_widgets.explain_oom(ValueError("x"), model="m", sample=sample, batch_size=np.int64(8))
+
+
+def test_a_pipelines_batch_is_read_through_its_steps_where_its_leading_axis_is_not_static():
+    # Dataset.batch(B) keeps a smaller last batch, so its leading axis is None and Keras reads no batch size:
+    # the fit's batch (for the guard, the record and an OOM's step) is the batch step's B.
+    import sys
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfmem_widgets.notebook.fit_hook import batch_of
+    from tfmem_widgets.readings.fit_context import fit_context
+
+    rows = tf.data.Dataset.from_tensor_slices((np.ones((10, 4), "float32"), np.ones((10, 1), "float32")))
+    pipeline = rows.batch(4).map(lambda a, b: (a * 2, b)).prefetch(2)
+    assert pipeline.element_spec[0].shape[0] is None and batch_of(pipeline, None) == 4
+    assert batch_of(rows.batch(4, drop_remainder=True), None) == 4 and batch_of(pipeline, 3) == 3
+    generated = tf.data.Dataset.from_generator(lambda: iter(()), output_signature=tf.TensorSpec((None, 4)))
+    assert batch_of(generated, None) is None
+    seen = []
+
+    class Look(keras.callbacks.Callback):  # what an OOM's report reads from the fit's frames
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(fit_context(sys._getframe()))
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(pipeline, epochs=1, verbose=0, callbacks=[Look()])
+    assert seen and all(found is not None and found.batch_size == 4 and found.phase == "train" for found in seen)
+
+
 REPLICATED = """
 import json, keras, numpy as np, tensorflow as tf
 import tfmem_widgets

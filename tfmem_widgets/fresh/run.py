@@ -291,6 +291,8 @@ def _failure(proc, result: dict, *, timed_out: bool, timeout, work_dir: Path, du
                 " after an OOM: TensorFlow's dump of it is explained by tfmem_widgets.last_oom()")
     last = last_words(errors) or last_words(output)  # a traceback's last line is on stderr
     said = ("its output is above" if echo else f"it last wrote: {last}" if last else "it wrote nothing")
+    if str(result.get("error", "")).startswith("SystemExit"):
+        said = "the code called sys.exit (a fresh process's code ends by its end, or raises)"
     if death is not None:  # TensorFlow's words (its native lines, not faulthandler's), what they mean
         last = death.last_words or last
         said = (f"its last words on fd 2: {death.last_words}; " if death.last_words else "") + \

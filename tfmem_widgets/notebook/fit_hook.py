@@ -17,6 +17,7 @@ import sys
 import weakref
 
 from ..errors import FitStopped
+from ..readings.fit_context import batch_of_dataset
 from .hazards import warn_at_fit
 
 _original = None
@@ -108,8 +109,8 @@ def _argument(args, kwargs, name: str, index: int, default=None):
 
 
 def batch_of(x, batch_size) -> int | None:
-    """The fit's global batch: batch_size (Keras' 32 for arrays), a dataset's static batch axis; None
-    for a generator, or a dataset whose batch axis is not static."""
+    """The fit's global batch: batch_size (Keras' 32 for arrays), a dataset's batch (its static batch axis,
+    else its batch step's); None for a generator, or a pipeline with no batch step."""
     if batch_size is not None:
         return int(batch_size)
     spec = getattr(x, "element_spec", None)
@@ -119,7 +120,7 @@ def batch_of(x, batch_size) -> int | None:
         leaves = tf.nest.flatten(spec)
         first = leaves[0].shape[0] if leaves and getattr(leaves[0], "shape", None) is not None and \
             leaves[0].shape.rank else None
-        return None if first is None else int(first)
+        return batch_of_dataset(x) if first is None else int(first)
     return 32 if hasattr(x, "shape") else None
 
 

@@ -56,7 +56,8 @@ def main(work: str) -> int:
                 (work_dir / "oom.value").write_bytes(CheckedPickler.dumps(report))
             except Exception:
                 pass
-        write_result(work_dir, error=type(failure).__name__)
+        code = f"({failure.code!r})" if isinstance(failure, SystemExit) else ""  # sys.exit(3): its code said
+        write_result(work_dir, error=type(failure).__name__ + code)
         return 1
     for name in job["returns"]:
         if name not in shell.user_ns:

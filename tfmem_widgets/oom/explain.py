@@ -7,6 +7,7 @@ a dump or log from elsewhere with what it states.
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from dataclasses import replace
@@ -291,8 +292,8 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
 
     fit = refusals.current_fit() if isinstance(source, BaseException) else None
     if model is not None or sample is not None or batch_size is not None:
-        if model is None or sample is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-                or batch_size < 1:
+        if model is None or sample is None or isinstance(batch_size, bool) or \
+                not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ArgumentError("explain_oom: model, sample and batch_size go together (the fit's compiled model, "
                                 f"(x, y) and its batch, a whole number of at least 1); got batch_size {batch_size!r}"
                                 + ("" if model is not None else ", no model") + ("" if sample is not None else ", no sample")
@@ -300,7 +301,11 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
         if not isinstance(source, BaseException):
             raise ArgumentError("explain_oom: model, sample and batch_size apply to an error raised in this process, "
                                 f"not to {type(source).__name__}.")
-        fit = FitContext(model, batch_size, sample)
+        import keras
+
+        if not isinstance(model, keras.Model):
+            raise ArgumentError(f"explain_oom: model must be the fit's compiled Keras model, got {type(model).__name__}.")
+        fit = FitContext(model, int(batch_size), sample)
     if isinstance(source, BaseException):
         if not is_oom(source):
             raise ArgumentError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "

@@ -16,6 +16,7 @@ its plan is the XLA program's, labelled an estimate.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -405,10 +406,13 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     from .owners import Owners, parameter_owners
 
     if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
+        unbuilt = " with no optimizer (compile it first)" if not getattr(model, "compiled", False) else (
+            " compiled without an optimizer: a train step needs one (compile(optimizer=...))")
         raise ArgumentError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
-                            + ("" if not isinstance(model, keras.Model) else " with no optimizer (compile it first)") + ".")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                            + ("" if not isinstance(model, keras.Model) else unbuilt) + ".")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
+    batch_size = int(batch_size)  # (NumPy's integers too)
     replicas = _replicas(model)
     if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
         raise ArgumentError(

@@ -53,7 +53,8 @@ def _of_fit_locals(local: dict) -> FitContext | None:
     if keras is None or tf is None or iterator is None or not isinstance(model, keras.Model):
         return None
     try:
-        batch = getattr(iterator.data_adapter, "batch_size", None)
+        adapter = iterator.data_adapter
+        batch = getattr(adapter, "batch_size", None) or batch_of_dataset(getattr(adapter, "_dataset", None))
         dataset = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(dataset, "element_spec", None)
         replicas = int(model.distribute_strategy.num_replicas_in_sync)
@@ -65,6 +66,22 @@ def _of_fit_locals(local: dict) -> FitContext | None:
     sizes = tuple(int(getattr(a, "nbytes", 0) or 0) for name in ("x", "y", "sample_weight")
                   for a in tf.nest.flatten(local.get(name)) if hasattr(a, "nbytes") and hasattr(a, "shape"))
     return FitContext(model, int(batch), spec, replicas, tuple(s for s in sizes if s))
+
+
+def batch_of_dataset(dataset) -> int | None:
+    """A tf.data pipeline's batch where its leading axis is not static (Dataset.batch(B) keeps a smaller last
+    batch, so Keras reads no batch size): the B of its batch step, found through the steps after it (map,
+    prefetch, ...); None where there is none (a generator's, an unbatched pipeline)."""
+    tf = sys.modules.get("tensorflow")
+    for _ in range(32):
+        if dataset is None or tf is None:
+            return None
+        size = getattr(dataset, "_batch_size", None)
+        if size is not None:
+            value = tf.get_static_value(size)
+            return int(value) if value is not None and int(value) > 0 else None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
 
 
 SPOT_EVERY_S = 0.2

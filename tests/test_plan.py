@@ -290,8 +290,29 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
     assert safe is not None and failure is not None and failure - safe <= max(1, -(-safe * search.resolution // 1))
     assert next(p for p in search.probes if p.batch == safe).fits  # measured, not read off the plans
     assert "planned first" in repr(search)
+    # Away from the edge the plans say it, not a line through the two probes there (issue 43 fault 6): the batch
+    # they fit under half the limit trains in a fresh 64 MB lab and a fifth more does not; twice the limit holds
+    # more than twice the edge's batch (the model's fixed bytes are counted once).
+    half = search.batch_for(64 << 20)
+    assert 0 < half < safe
+    assert [_trains_in_a_64_mb_lab(n) for n in (half, half * 6 // 5)] == [True, False], half
+    assert search.needs_bytes(half) <= 64 << 20 < search.needs_bytes(half * 6 // 5)
+    assert search.batch_for(256 << 20) > 2 * safe
     with pytest.raises(ArgumentError, match="method must be"):
         tfmem_widgets.max_batch_size(build_model, make_batch, method="guess")
+
+
+def _trains_in_a_64_mb_lab(batch: int) -> bool:
+    """The search's model fitted as its probes fit it, in a fresh process with a 64 MB lab."""
+    from tfmem_widgets.errors import FreshRunError
+    from tfmem_widgets.fresh.run import check_request, run_checked
+
+    code = PROBE_DATA_MODEL + f"model.fit(probe_dataset(make_batch({batch}), 2), epochs=1, verbose=0)"
+    try:  # (its OOM is not made this process's last_oom(), as a probe's is not)
+        run_checked(code, setup=check_request({"lab_mb": 64}, None), echo=False, remember_oom=False)
+        return True
+    except FreshRunError:
+        return False
 
 
 PROBE_DATA = """

@@ -125,6 +125,7 @@ def test_the_panel_shows_this_machines_gpus_and_the_lab_in_effect(lab_session):
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
+    tf.config.list_logical_devices()  # the runtime started (by this test, not by whichever ran before it)
     panel = SetupPanel()
     assert len(panel.gpus.options) == len(gpus)
     assert panel.gpus.disabled == panel.growth.disabled == (not gpus)

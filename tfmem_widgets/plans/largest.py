@@ -44,6 +44,7 @@ class PlanSearch:
     # The first batch whose graph step makes a tensor of 2^31 elements (plans/aborts.py: the process aborts on a
     # GPU): nothing at or above it was planned, nor is it to be probed. None: no such batch up to `high`.
     aborts_from: int | None = None
+    data_share: float = 0.0  # the part of a batch's bytes the fit's data holds on the device besides the step
 
 
 # The first plan's batch (or `low`, where that is more): a prime, so its batch axis is told from a layer's width

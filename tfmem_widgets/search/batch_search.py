@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import ArgumentError, StateError
 from ..text import LinesText
 from ..units import format_bytes
+from .by_plans import batch_by_plans, need_by_plans
 from .next_probe import next_batch, settle_recommended
 from .probe import Probe, first_line
 from .progress import progress_for
@@ -65,6 +66,7 @@ class BatchSearch(LinesText):
     overlap_seconds: float = 0.0  # of the probes' seconds, what two side by side spent at the same time
     beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
     margin_probes: int = 0  # of the probes, those a margin added after the edge was known (search/next_probe.py)
+    data_share: float = 0.0  # a plan search's: the part of a batch's bytes the fit's data holds besides the step
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -155,15 +157,19 @@ class BatchSearch(LinesText):
                 "read to other limits; search from a larger batch (low) for one.")
 
     def needs_bytes(self, batch: int) -> int | None:
-        """The peak the line predicts for `batch` (None without a line)."""
+        """The limit `batch` needs: by the plans of a plan search (each placed in the pool as a fresh fit's:
+        search/by_plans.py), else the peak the line through the probes' peaks predicts (None without a line)."""
+        if self.plans:
+            return need_by_plans(self.plans, self.data_share, batch)
         model = self.peak_model()
         return None if model is None else int(model[0] + model[1] * batch)
 
     def batch_for(self, limit_bytes: int) -> int | None:
-        """The largest batch whose predicted peak fits `limit_bytes` (None without a line), bounded
+        """The largest batch that fits `limit_bytes`: by the plans of a plan search (each placed in a fresh pool
+        under that limit: search/by_plans.py), else by the line through the peaks (None without one), bounded
         by what was measured: at the search's own limit the largest batch below every failure; under
         it, never more (what failed there fails under less); above it, never less."""
-        line = self._line_batch(limit_bytes)
+        line = batch_by_plans(self.plans, self.data_share, limit_bytes) if self.plans else self._line_batch(limit_bytes)
         measured, failure = self.edge
         if line is None or self.limit_bytes is None or measured is None:
             return line

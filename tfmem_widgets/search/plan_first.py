@@ -15,6 +15,7 @@ from pathlib import Path
 from ..fresh.transport import tell_batch
 from ..plans.largest import FreshFit, PlanSearch, largest_planned_batch
 from ..plans.plan import device_of
+from .probe import first_line
 
 
 def search_in_process(path: str, low: int, high: int, resolution: float, max_plans: int,
@@ -48,6 +49,7 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
         found.notes.append(f"each plan placed in the pool a fresh fit meets at its first step: the one build_model() "
                            f"left here, traced, then the fit's data and its iterator's copy ({start.passing_share:.2f} "
                            "of the batch's bytes, measured), the optimizer's slots")
+    found.data_share = share
     if share:
         found.notes.append(f"the fit's data sits on {device_of(model)} besides the step's copy of the batch "
                            f"({share:.2f} of the batch's bytes, measured): counted in each plan's peak")
@@ -148,7 +150,8 @@ def _plans(search, probe_one, progress, auto: bool):
         found = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
                             remember_oom=False, each_tick=closing_begun).values["found"]
     except FreshRunError as exc:
-        search.notes.append(f"the plans could not be made (the process {exc.how}): "
+        said = first_line(exc).partition("; ")[2].rstrip(".")  # what it last wrote, or what its death means
+        search.notes.append(f"the plans could not be made (the process {exc.how}{'; ' + said if said else ''}): "
                             + ("the probes begun meanwhile decide" if early and early[2] else "probes only"))
     search.plan_seconds = time.perf_counter() - started
     if early is not None:  # how long the pair ran beside the plans, at most
@@ -162,7 +165,7 @@ def _plans(search, probe_one, progress, auto: bool):
                                 "step under XLA, an estimate; the probes decide")
             if auto:
                 return found, None
-        search.plans = found.plans
+        search.plans, search.data_share = found.plans, found.data_share
         search.notes.extend(found.notes)
         search.plan_answer = found.batch
         search.planned_failure = found.aborts_from  # a graph step that aborts there: no batch from it is the answer

@@ -203,13 +203,16 @@ class SetupPanel(FullTextForm, w.VBox):
         model = search.peak_model()
         lines = []
         kind = "lab limit" if self._reads_lab() else "GPU limit"
-        if model is None:
+        if model is None and not search.plans:
             lines.append(search.no_line_reason())
         else:
             batch = search.batch_for(limit)
             how = ("measured: the largest below every failure" if limit == search.limit_bytes else
+                   "by the search's plans, each placed in a fresh pool under this limit, bounded by the batches "
+                   "measured" if search.plans else
                    f"the line through the search's peaks, {format_bytes(max(0, int(model[0])))} + "
-                   f"{format_bytes(int(model[1]))} per example, bounded by the batches measured")
+                   f"{format_bytes(int(model[1]))} per example, bounded by the batches measured: an estimate, as the "
+                   "pool's regions under another limit are not the probes'")
             text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
                     f"data-batch='{batch}'>{batch:,}</b> ({how})")
             if search.margin:
@@ -220,7 +223,7 @@ class SetupPanel(FullTextForm, w.VBox):
                 else:
                     text += (f"; {kept:,} with a margin of {search.margin:.0%} ("
                              + ("measured: its peaks left the margin free, the margin below every failure" if measured_kept
-                                else "by the line") + ")")
+                                else "by the plans" if search.plans else "by the line") + ")")
             lines.append(text + ".")
             largest = search.edge[0]
             measured = None if largest is None else search.measured_peak(largest)  # (the highest of its probes)
@@ -230,8 +233,9 @@ class SetupPanel(FullTextForm, w.VBox):
                              f"{format_bytes(measured)}; at this limit that leaves "
                              f"{format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
             if search.limit_bytes and limit > search.limit_bytes:
-                lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the line "
-                             "is extrapolated; search again at this limit to measure.")
+                lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the "
+                             + ("plans are" if search.plans else "line is") + " extrapolated; search again at this "
+                             "limit to measure.")
             if search.not_monotone:
                 lines.append("Near the edge fitting was not monotone: keep a margin.")
         if search.lab and self.state.gpus:

@@ -368,6 +368,21 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
         assert not _children()  # no probe process left behind
 
 
+def test_a_graph_errors_cause_is_its_line_before_the_failed_node_not_graph_execution_error():
+    import tensorflow as tf
+
+    from tfmem_widgets.search.probe import cause_line
+
+    @tf.function(input_signature=[tf.TensorSpec(None), tf.TensorSpec(None)])
+    def product(a, b):
+        return tf.matmul(a, b)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:  # shapes known only when it runs
+        product(tf.ones((8, 3)), tf.ones((4, 2)))
+    assert str(caught.value).startswith("Graph execution error")
+    assert "Matrix size-incompatible" in cause_line(caught.value) and "\n" not in cause_line(caught.value)
+
+
 def test_every_probe_failure_names_its_cause_in_one_line():
     # (defined here: the probe's process gets the functions by value, as it gets a notebook's)
     build_model, _ = search_functions()

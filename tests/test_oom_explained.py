@@ -288,6 +288,7 @@ def test_an_xla_fit_refused_is_planned_while_it_waits_and_told_what_fits(keras_o
     # on a GPU its autotuner waits minutes: tests/test_gpu.py); else the report says it.
     if "tfmem: this fit's XLA step was refused memory; planned in" in out["said"]:
         assert "what fits: no batch planned fits this limit" in out["said"]
+    assert "autotuner" not in out["said"] and "for minutes" not in out["said"]  # a GPU's; XLA on a CPU has none
     smallest = finish_fresh(start_fresh(TRAIN_AT.replace("jit_compile=False", "jit_compile=True"),
                                         {"BATCH": str(need["fails"])}), timeout=300)
     assert smallest["raised"] == "ResourceExhaustedError"
@@ -315,6 +316,30 @@ def test_a_traced_xla_fit_leaves_at_most_5_percent_unattributed_at_its_peak(kera
     assert out["totals"].get("(XLA program in multi_step_on_iterator)", 0) <= 0.01 * out["total"]  # its outputs
     assert not out["notes"] and out["spotters"] == []    # the fit's watcher ended with the trace
     assert sum(out["totals"].values()) == out["total"]
+
+
+WITHOUT_WATCH = """
+import json, tfmem_widgets
+tfmem_widgets.setup(lab_mb=160)
+import keras, numpy as np
+model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(2048, activation="relu", name="wide"),
+                          keras.layers.Dense(4096, name="wider"), keras.layers.Dense(1, name="out")])
+model.compile("adam", "mse", jit_compile=False)
+x, y = np.ones((8192, 256), "float32"), np.ones((8192, 1), "float32")
+try:
+    model.fit(x, y, batch_size=4096, epochs=1, verbose=0)
+except Exception as error:   # a script: no extension, no watch_oom(), so TensorFlow wrote no dump
+    report = tfmem_widgets.explain_oom(error, model=model, sample=(x, y), batch_size=4096)
+    need = report.need
+    print(json.dumps({"map": report.map is not None, "batch": need and need.batch_size,
+                      "peak": need and need.peak_bytes, "text": repr(report)}))
+"""
+
+
+def test_explain_oom_with_the_fits_arguments_plans_the_step_even_without_a_dump():
+    out = finish_fresh(start_fresh(WITHOUT_WATCH), timeout=300)
+    assert not out["map"] and out["batch"] == 4096 and out["peak"] > 160 << 20
+    assert "the step: at batch 4,096 it needs" in out["text"] and "TF_BFC_MEMORY_DUMP was not set" in out["text"]
 
 
 def test_explain_oom_reads_a_pasted_log_and_refuses_what_is_not_one(tmp_path):

@@ -140,7 +140,7 @@ model, sample, _ = dense()
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))   # no XLA on a CPU
 planned = tfmem_widgets.plan(model, sample, 16384)
 refused = []
-for args in ((object(), sample, 8), (model, sample, 0), (model, sample, True), (model, (np.float32(1.0), None), 8)):
+for args in ((object(), sample, 8), (model, sample, 0), (model, sample, True), (model, (np.float32(1.0), np.float32(1.0)), 8)):
     try:
         tfmem_widgets.plan(*args)
     except tfmem_widgets.ArgumentError as exc:
@@ -173,6 +173,37 @@ def test_numpy_integers_are_whole_numbers_and_a_model_that_is_not_one_is_said_in
         tfmem_widgets.plan(bare, sample, 8)
     with pytest.raises(ArgumentError, match="model must be the fit's compiled Keras model, got str"):
         tfmem_widgets.explain_oom(ValueError("x"), model="m", sample=sample, batch_size=np.int64(8))
+
+
+def test_a_sample_or_model_a_plan_cannot_stand_for_is_one_line_that_says_what_is_wrong_and_builds_nothing():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((2, 4), "float32"), np.ones((2, 2), "float32")
+    timed = keras.Sequential([keras.Input((None, 16)), keras.layers.Dense(2)])
+    timed.compile("sgd", "mse")
+    lossless = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    lossless.compile("sgd")
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    unbuilt.compile("sgd", "mse")
+    cases = [
+        (model, (x,), "sample must be (x, y) or (x, y, sample_weight), as fit takes them; got a 1-tuple"),
+        (model, (x, None), "the sample's y is None: a train step needs the targets"),
+        (model, (np.ones((2, 3), "float32"), y), "the sample's x has shape (2, 3) where the model takes (None, 4)"),
+        (model, (tf.ragged.constant([[1.0], [1.0, 2.0]]), y), "the sample's x is ragged: XLA plans fixed shapes"),
+        (timed, (tf.TensorSpec((None, None, 16)), tf.TensorSpec((None, None, 2))), "the sample's x has an unknown axis"),
+        (lossless, (x, y), "the model was compiled without a loss: a train step needs one"),
+        (unbuilt, (np.ones((2, 3), "float32"), y), "the model is not built yet"),
+    ]
+    for which, sample, said in cases:
+        with pytest.raises(ArgumentError) as caught:
+            tfmem_widgets.plan(which, sample, 8)
+        assert said in str(caught.value) and "\n" not in str(caught.value), (said, str(caught.value))
+    assert not unbuilt.built  # left for the user's fit to build from its data
+    assert tfmem_widgets.plan(unbuilt, (x, y), 8, build=True).batch_size == 8 and unbuilt.built
 
 
 def test_a_pipelines_batch_is_read_through_its_steps_where_its_leading_axis_is_not_static():
@@ -355,6 +386,9 @@ def test_the_plan_magic_reads_its_model_and_sample_from_the_notebook(shell, caps
     assert capsys.readouterr().out == ""
     assert shell.run_line_magic("tfmem", "plan planned_model planned_sample -b 32 -v shown") is None  # shown
     assert capsys.readouterr().out.strip() == repr(shell.user_ns["shown"]).strip()
+    # a sample written as an expression with spaces, as in a notebook: (x, y)
+    spaced = shell.run_line_magic("tfmem", "plan planned_model (planned_sample[0], planned_sample[1]) -b 16 -o -q")
+    assert spaced.batch_size == 16 and spaced.batch_bytes == result.batch_bytes // 4
     from IPython.core.error import UsageError
 
     for line, words in (("plan nothing_here planned_sample -b 8", "could not be read"),

@@ -190,7 +190,7 @@ def _verdict(model, sample, x, y, batch: int) -> str | None:
     risks, under = [], None
     try:
         risks, under = plans.graph_abort_risks(model, sample, batch)
-        planned = plans.plan(model, sample, under if risks and under else batch)
+        planned = plans.plan(model, sample, under if risks and under else batch, build=True)
     except ArgumentError as exc:
         if risks:
             return _stopped(batch, risks, under, None)
@@ -215,7 +215,7 @@ def _fits(model, sample, planned, sizes) -> bool | int | None:
     context = FitContext(model, planned.batch_size, batch_specs(sample, planned.batch_size), 1, sizes)
 
     def planner(model, sample, batch: int):  # the plan made already is not compiled again
-        return planned if batch == planned.batch_size else plan(model, sample, batch)
+        return planned if batch == planned.batch_size else plan(model, sample, batch, build=True)
 
     return step_need(context, planned.limit_bytes, planner=planner).fits_batch
 

@@ -232,7 +232,8 @@ def _oom_commands(commands) -> None:
     planned = _subcommand(commands, "plan", "What a Keras train step needs at a batch, from XLA's plan, before it "
                           "runs.")
     planned.add_argument("model", help="a compiled Keras model (a name or an expression without spaces)")
-    planned.add_argument("sample", help="(x, y) of any leading size: only its shapes and types are read")
+    planned.add_argument("sample", nargs="+", help="(x, y) of any leading size (an expression, spaces and all): only "
+                         "its shapes and types are read")
     planned.add_argument("-b", "--batch", type=_search_count("batch"), action=_Once, required=True, metavar="N",
                          help="the batch to plan")
     add_result_flags(planned, "StepPlan")

@@ -127,7 +127,7 @@ class TfmemMagics(Magics):
         from ..plans.plan import plan
 
         values = []
-        for what, text in (("model", args.model), ("sample", args.sample)):
+        for what, text in (("model", args.model), ("sample", " ".join(args.sample))):
             try:
                 values.append(self.shell.ev(text))
             except Exception as exc:

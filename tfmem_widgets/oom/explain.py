@@ -163,7 +163,16 @@ def xla_request_need(fit: FitContext, report: OomReport) -> StepNeed | None:
 def with_need(report: OomReport, fit: FitContext | None, early: StepNeed | None = None) -> OomReport:
     """The report of a fit's OOM with what the step needs: planned while the fit waited (`early`), or
     planned here, or from XLA's request."""
-    if fit is None or report.map is None:
+    if fit is None:
+        return report
+    if report.map is None:  # no dump to read (TF_BFC_MEMORY_DUMP unset): the step is planned all the same
+        from ..plans.need import step_need
+
+        try:
+            report.need = step_need(fit, None) if fit.phase == "train" else StepNeed.of_validation(
+                fit.batch_size, sum(fit.data_sizes))
+        except Exception as exc:  # the user's model: never fail the report
+            report.need = StepNeed(fit.batch_size, note=f"the step could not be planned ({type(exc).__name__})")
         return report
     if fit.phase == "validation":
         report.need = StepNeed.of_validation(fit.batch_size, sum(fit.data_sizes))

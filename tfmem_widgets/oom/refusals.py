@@ -41,6 +41,7 @@ class _RefusalWatch(threading.Thread):
         self.said_after = 0  # the "still refused" lines said so far, one per HINT_AFTER_S
         self.first: str | None = None  # the first refusal's figures
         self.said_first = False
+        self.on_gpu = False  # the refused allocator is a GPU's (the autotuner's hint is said only there)
         self.main_thread = threading.get_ident()  # the cell's thread
         self.fit = None  # the Keras fit the cell was in at its first refusal (readings/fit_context.py)
         self.need = None  # what its XLA step needs, planned while the cell waited (early_need)
@@ -66,6 +67,7 @@ class _RefusalWatch(threading.Thread):
         waited = now - self.times[0]
         if self.first is None:
             self.first = _refusal_figures(new[-1])
+            self.on_gpu = "GPU" in os.path.basename(new[-1])  # (a lab's XLA on the CPU has no GEMM autotuner)
         if self.fit is None and not final:  # read while TensorFlow waits: once raised, Keras cuts its frames
             from ..readings.fit_context import fit_context_of_thread
 
@@ -81,7 +83,7 @@ class _RefusalWatch(threading.Thread):
             self.said_after += 1
             line = (f"tfmem: still refused ({self.refusals} dumps in {waited:.0f} s, nothing raised yet; "
                     f"first: {self.first})")
-            if self.said_after == 1:
+            if self.said_after == 1 and self.on_gpu:
                 line += f"; {AUTOTUNE_HINT}"
         else:
             return
@@ -111,7 +113,9 @@ class _RefusalWatch(threading.Thread):
                  "waits:", *(f"  {line}" for line in need.lines(limit))]
         if need.fits_batch is not None and need.fits_batch < need.batch_size:
             lines.append(f"  interrupt the cell and fit with batch_size={need.fits_batch:,} (or less): at this batch "
-                         "its compiler may go on being refused for minutes before anything is raised")
+                         "its compiler may go on being refused for minutes before anything is raised" if self.on_gpu else
+                         f"  fit with batch_size={need.fits_batch:,} (or less), after a restart: in lab mode this OOM "
+                         "raises in seconds, and the process dies at its next step")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def stop(self) -> None:

@@ -80,7 +80,7 @@ class _Plans:
         """The plan at `batch` (made once); None where XLA could not compile it (not fitting)."""
         if batch not in self.by_batch:
             try:
-                planned = plan(self.model, self.sample, batch)
+                planned = plan(self.model, self.sample, batch, build=True)
                 shared = slots_shared_by_fit(self.model, planned) if self.fit.builds_slots else ()
             except ArgumentError as exc:  # (an autotuner without room)
                 self.notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")

@@ -152,7 +152,7 @@ def from_cpu_copy(fit: FitContext, device: str, limit_bytes: int | None, *, seco
     growth = allocator_growth().get(allocator_of_device(device), True)
 
     def on_the_device(model, sample, batch: int):  # the CPU's plan, judged as the GPU's pool would hold it
-        return replace(plan(model, sample, batch), device=device, limit_bytes=limit, growth=growth)
+        return replace(plan(model, sample, batch, build=True), device=device, limit_bytes=limit, growth=growth)
 
     with tf.device("/CPU:0"):
         need = step_need(replace(fit, model=copy), limit, seconds=max(1.0, seconds - (time.perf_counter() - started)),
@@ -179,7 +179,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()
     try:
-        failing = plan(fit.model, fit.sample, fit.batch_size)
+        failing = plan(fit.model, fit.sample, fit.batch_size, build=True)
     except ArgumentError as exc:
         return StepNeed(fit.batch_size, note=f"the step could not be planned: {str(exc).removeprefix('plan: ')}")
     limit = failing.limit_bytes if limit_bytes is None else limit_bytes

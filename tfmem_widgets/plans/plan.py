@@ -27,6 +27,7 @@ from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..tf.devices import xla_autotune_level
 from ..units import MiB, format_bytes
 from . import aborts, hlo
+from .sample import check_sample
 from .step import compile_step
 
 
@@ -382,18 +383,13 @@ def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
         return ()
 
 
-def _replicas(model) -> int:
-    try:
-        return int(model.distribute_strategy.num_replicas_in_sync)
-    except Exception:  # a Keras without the attribute: one device
-        return 1
-
-
-def plan(model, sample, batch_size: int) -> StepPlan:
+def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
     """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs.
 
     model: a compiled Keras model (TensorFlow backend). sample: (x, y) of any leading size (arrays,
     tensors, nested as Keras takes them, or tf.TensorSpecs): only its shapes and types are read.
+    build: an unbuilt model (no keras.Input) is built from the sample's shapes, as fit builds it from
+    its data (refused otherwise: a wrong sample would leave it built wrong for the fit).
 
     >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096)
     >>> p.step_bytes, p.fits(), p.by_layer()
@@ -413,18 +409,16 @@ def plan(model, sample, batch_size: int) -> StepPlan:
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
     batch_size = int(batch_size)  # (NumPy's integers too)
-    replicas = _replicas(model)
-    if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
-        raise ArgumentError(
-            f"plan: the model was built under {type(model.distribute_strategy).__name__} ({replicas} replicas), whose "
-            "variables live on each replica's device: plan one replica's step instead, the same model built without "
-            f"the strategy, at the global batch divided by {replicas}.")
+    check_sample(model, sample, build)
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)
     try:
         proto, concrete, trace_s, compile_s, scopes = compile_step(model, specs, device)
     except Exception as exc:  # TensorFlow's own words, in one line
+        if getattr(model, "loss", None) is None and getattr(model, "_compile_loss", None) is None:
+            raise ArgumentError("plan: the model was compiled without a loss: a train step needs one "
+                                "(compile(loss=...)).") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ArgumentError(f"plan: XLA could not compile the step at batch {batch_size:,} ({type(exc).__name__}: "
                             f"{first}).") from None

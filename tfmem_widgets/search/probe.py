@@ -192,6 +192,10 @@ def cause_line(exc: BaseException) -> str:
     """The line of an error that says its cause: Keras wraps it in lines that name the call
     ('Exception encountered when calling Sequential.call().'); the first other line, else the first."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("Graph execution error"):  # TensorFlow's: the cause is the line before the
+        node = next((i for i, line in enumerate(lines) if line.startswith("[[")), None)  # failed node's [[...]]
+        if node and not lines[node - 1].startswith(("File ", "Detected at node", "Graph execution error")):
+            return lines[node - 1][:300]
     for line in lines:
         if not line.startswith(_FRAME_LINES):
             return line[:300]
@@ -215,7 +219,8 @@ def probe_in_fresh_process(path: Path, batch: int, steps: int, setup: dict | Non
 
 def ran_past(batch: int, timeout: float) -> FreshRunError:
     return FreshRunError(f"max_batch_size: the probe at batch {batch:,} ran past {timeout:g} s and was stopped "
-                         "with every process it started; raise probe_timeout or lower high.",
+                         "with every process it started; raise probe_timeout (a probe builds the model, compiles its "
+                         "step and trains: this one needed longer).",
                          how=f"ran past {timeout:g} s and was stopped", timed_out=True)
 
 

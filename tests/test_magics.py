@@ -79,8 +79,10 @@ def test_nested_measures_keep_the_outer_peak(lab_session):
         with tfmem_widgets.measure("CPU:0") as inner:
             small = tf.zeros((1 << 20,))  # 4 MiB
             del small
-    assert abs(inner.peak_bytes - 4 * MiB) <= 4096
-    assert abs(outer.peak_bytes - 16 * MiB) <= 4096, "the inner reset must not erase the outer peak"
+    # Each peak is the chunk the allocator handed out: the request, or a free chunk under twice it taken whole
+    # (its no-split rule), whatever earlier tests left in this process's pool.
+    assert 4 * MiB <= inner.peak_bytes < 8 * MiB
+    assert 16 * MiB <= outer.peak_bytes < 32 * MiB, "the inner reset must not erase the outer peak"
     assert outer.delta_bytes == inner.delta_bytes == 0
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from tfmem_widgets.oom.report import FRAGMENTATION, LIMIT, OomReport
 from tfmem_widgets.plans.need import StepNeed
-from tfmem_widgets.readings.layers import ACTIVATIONS, OPTIMIZER_STATE, OTHER, PARAMETERS, LayerAnatomy
+from tfmem_widgets.readings.layers import ACTIVATIONS, FORWARD, OPTIMIZER_STATE, OTHER, PARAMETERS, LayerAnatomy
 from tfmem_widgets.tracing.allocator_map import AllocatorMap, Chunk, Region
 
 MiB = 1 << 20
@@ -89,9 +89,22 @@ def test_in_use_by_layer_lists_the_largest_first_and_the_fix_names_it():
                            ACTIVATIONS: {OTHER: 48 * 1024 * MiB}}, 48 * 1024 * MiB + 124 * MiB)
     assert list(layers)[0] == ACTIVATIONS and layers.layers == ["model/embed", "model/attn"]
     report = _report(_map([300, 19], [1]), 2, anatomy=layers)
-    assert any(f"largest in use: {ACTIVATIONS} 48.00 GiB" in f for f in report.fixes())
+    assert any(f"largest activations: {ACTIVATIONS} 48.00 GiB" in f for f in report.fixes())
     shown = "\n".join(report.lines())
     assert shown.index(ACTIVATIONS) < shown.index("model/embed")
+
+
+def test_the_precision_fix_names_activations_not_weights_and_is_not_given_under_a_mixed_policy(monkeypatch):
+    import tfmem_widgets.oom.report as reports
+
+    layers = LayerAnatomy({"model/embed": {PARAMETERS: 400 * MiB, OPTIMIZER_STATE: 800 * MiB},
+                           "model/dense": {FORWARD: 64 * MiB, OTHER: 2 * MiB}}, 1266 * MiB)
+    report = _report(_map([300, 19], [1]), 2, anatomy=layers)
+    fix = next(f for f in report.fixes() if f.startswith("mixed precision"))
+    assert fix.endswith("largest activations: model/dense 64.00 MiB")  # not the embedding's weights and slots
+    assert "forward activations 64.00 MiB, other 2.00 MiB" in "\n".join(layers.lines())  # the phases add up
+    monkeypatch.setattr(reports, "_mixed_policy", lambda: True)  # (Keras' policy is global: not set in this process)
+    assert not any(f.startswith("mixed precision") for f in report.fixes())
 
 
 def test_explain_oom_takes_the_fit_whole_or_not_at_all():

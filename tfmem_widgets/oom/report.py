@@ -6,11 +6,13 @@ The state is TensorFlow's own binary MemoryDump (exact), or the text dump of a p
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from html import escape
 
 from ..errors import TraceDataError
 from ..plans.need import StepNeed
+from ..readings.layers import ACTIVATIONS, FORWARD
 from ..text import LinesText
 from ..tf.dump_place import removed_with_its_call
 from ..tf.limits import CAPPED_SOURCES
@@ -258,11 +260,14 @@ class OomReport(LinesText):
         """A smaller step: in terms of the step where its need is known; where it is not, the request
         said to be one tensor of the step, never 'use N less' as if it were the step's need."""
         top = None
-        if self.anatomy is not None and len(self.anatomy):
-            key, size = self.anatomy.items()[0]
-            top = f"largest in use: {key} {format_bytes(size)}"
-        precision = ("mixed precision (keras.mixed_precision.set_global_policy('mixed_float16')) halves the "
-                     "activations")
+        if self.anatomy is not None and len(self.anatomy):  # what mixed precision would halve: activations
+            sizes = [(self.anatomy.phases(k).get(FORWARD, 0), k) for k in self.anatomy.layers]
+            if ACTIVATIONS in self.anatomy:
+                sizes.append((self.anatomy[ACTIVATIONS], ACTIVATIONS))
+            size, key = max(sizes, default=(0, ""))
+            top = f"largest activations: {key} {format_bytes(size)}" if size else None
+        precision = None if _mixed_policy() else (
+            "mixed precision (keras.mixed_precision.set_global_policy('mixed_float16')) halves the activations")
         out = []
         if need is not None and need.fits_batch is None and need.fails_batch is not None:
             out.append(f"no batch fits this limit by the plans (down to batch {need.fails_batch:,}): the model's "
@@ -295,7 +300,7 @@ class OomReport(LinesText):
             if verdict != FRAGMENTATION:
                 out.append(f"free {format_bytes(short)} of what is in use, or ask for that much less: in use + this "
                            "request is that much over")
-        if verdict != FRAGMENTATION:
+        if verdict != FRAGMENTATION and precision:
             out.append(precision + (f"; {top}" if top else ""))
             if need is None or need.fits_batch is None:
                 out.append("gradient accumulation keeps the effective batch with a smaller step (workbook notebook 4)")
@@ -400,3 +405,12 @@ def _split_room(chunk_bytes: int, asked_bytes: int, request_bytes: int) -> int:
 
 def _mib_up(n: int) -> int:
     return -(-n // MiB)
+
+
+def _mixed_policy() -> bool:
+    """Keras' global dtype policy is a mixed one already (mixed_float16, mixed_bfloat16)."""
+    keras = sys.modules.get("keras")
+    try:
+        return keras is not None and keras.mixed_precision.global_policy().name.startswith("mixed")
+    except Exception:  # a Keras without it
+        return False

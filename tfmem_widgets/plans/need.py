@@ -19,6 +19,7 @@ the batch it names is on the safe side. ``step_need`` plans a GPU model the same
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -168,7 +169,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     from .largest import largest_below
     from .plan import plan
 
-    plan = planner or plan
+    plan = planner or functools.partial(plan, build=True)  # the fit's own data builds as fit would
 
     seconds = NEED_SECONDS if seconds is None else seconds
     if fit.replicas != 1:
@@ -179,7 +180,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()
     try:
-        failing = plan(fit.model, fit.sample, fit.batch_size, build=True)
+        failing = plan(fit.model, fit.sample, fit.batch_size)
     except ArgumentError as exc:
         return StepNeed(fit.batch_size, note=f"the step could not be planned: {str(exc).removeprefix('plan: ')}")
     limit = failing.limit_bytes if limit_bytes is None else limit_bytes

@@ -255,6 +255,8 @@ class StepPlan(LinesText):
                          "next allocation finds no room")
             else:
                 line += f"fits, {format_bytes(spare)} to spare"
+                if take is not None and take != self.step_bytes:  # the same in the pool's terms, said beside it
+                    line += f" by its bytes, {format_bytes(spare - (take - self.step_bytes))} as a fresh pool places it"
         out.append(line)
         out.append(f"  the allocator may hand out up to {format_bytes(self.worst_take_bytes)} for the step "
                    "(whole chunks under its no-split rule)"

@@ -48,7 +48,7 @@ def _check_width(model, x) -> None:
     """A one-input model's input against the sample's x: the axes the model fixed must match."""
     inputs = getattr(model, "inputs", None) or []
     shape = getattr(x, "shape", None)
-    if len(inputs) != 1 or shape is None:
+    if len(inputs) != 1 or shape is None or not len(shape):  # (no batch axis: batch_specs says so)
         return
     wanted = tuple(inputs[0].shape)[1:]
     given = tuple(shape)[1:]

@@ -404,9 +404,11 @@ class LayerAnatomy:
         width = max([len(k) for k in order[:top]] + [5])
         out = []
         for key in order[:top]:
-            phases = ", ".join(f"{p} {format_bytes(b)}" for p, b in sorted(
-                self.rows[key].items(), key=lambda pb: PHASES.index(pb[0]) if pb[0] in PHASES else 99)
-                if b and p != OTHER)
+            shown = {p: b for p, b in self.rows[key].items() if b}
+            if set(shown) == {OTHER}:
+                shown = {}  # the row is all other: its total says it
+            phases = ", ".join(f"{p} {format_bytes(b)}" for p, b in sorted(  # (other too: a mixed policy's casts)
+                shown.items(), key=lambda pb: PHASES.index(pb[0]) if pb[0] in PHASES else 99))
             out.append(f"  {key:<{width}} {format_bytes(self[key]):>11}  {phases}")
         if len(order) > top:
             rest = sum(self[k] for k in order[top:])

@@ -405,8 +405,8 @@ class LayerAnatomy:
         out = []
         for key in order[:top]:
             shown = {p: b for p, b in self.rows[key].items() if b}
-            if set(shown) == {OTHER}:
-                shown = {}  # the row is all other: its total says it
+            if set(shown) == {OTHER} or shown.get(OTHER, 0) < self[key] / 100:
+                shown.pop(OTHER, None)  # all of the row (its total says it), or too little to name
             phases = ", ".join(f"{p} {format_bytes(b)}" for p, b in sorted(  # (other too: a mixed policy's casts)
                 shown.items(), key=lambda pb: PHASES.index(pb[0]) if pb[0] in PHASES else 99))
             out.append(f"  {key:<{width}} {format_bytes(self[key]):>11}  {phases}")

@@ -198,7 +198,7 @@ def _meaning(number, words, lab_mb, oom_killed, host, elements, batch, under) ->
                                 "or smaller batches), or run the fit in a fresh process (%%tfmem fresh)")
         if lab_mb:
             return "segfault", (f"a segmentation fault in lab mode ({lab_mb:,} MB): an out-of-memory inside a CPU "
-                                "kernel (oneDNN's or Eigen's) ends the process this way instead of raising; lower "
+                                "kernel (oneDNN's, or tf.data's) ends the process this way instead of raising; lower "
                                 "the batch or raise the lab limit, or find the batch that fits in fresh processes "
                                 "(tfmem_widgets.max_batch_size)")
         return "segfault", ("a segmentation fault in native code (TensorFlow's or a library's): Python's stacks say "

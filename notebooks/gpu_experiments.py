@@ -72,6 +72,20 @@ class Experiment:
     env: dict = field(default_factory=dict)
 
 
+# A transformer block of FACTS section 8 (embedding 512, 8 heads, 256 tokens, a 2,048-wide feed-forward layer)
+# as code, JIT its jit_compile: at 4,096 rows its attention scores hold 2^31 elements. tests/test_gpu.py fits it too.
+ATTENTION_MODEL = '''
+import keras, numpy as np
+L = keras.layers
+tokens = keras.Input((256,), dtype="int32")
+h = L.Embedding(1000, 512, name="embed")(tokens)
+h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=8, key_dim=64, name="attn")(h, h))
+h = L.LayerNormalization(name="ln2")(h + L.Dense(512, name="ffn_out")(L.Dense(2048, activation="relu", name="ffn_in")(h)))
+model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)))
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=JIT)
+'''
+
+
 EXPERIMENTS: dict[str, Experiment] = {
     "default_limit": Experiment(
         "TensorFlow's default limit: the free memory it reads, minus a reserve",
@@ -423,20 +437,11 @@ result = {"added": [after[i] - before[i] for i in range(2)], "peaks": peaks}
     "kernel_death": Experiment(
         "A graph step at 2^31 elements: named by its plan, ended by TensorFlow's check, told by the next session;"
         " with XLA it trains",
-        """
+        "ATTENTION_MODEL = " + repr(ATTENTION_MODEL) + """
 import os, subprocess, sys, tempfile
 import numpy as np
 import tfmem_widgets
-MODEL = '''
-import keras, numpy as np
-L = keras.layers
-tokens = keras.Input((256,), dtype="int32")
-h = L.Embedding(1000, 512, name="embed")(tokens)
-h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=8, key_dim=64, name="attn")(h, h))
-h = L.LayerNormalization(name="ln2")(h + L.Dense(512, name="ffn_out")(L.Dense(2048, activation="relu", name="ffn_in")(h)))
-model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)))
-model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=JIT)
-'''
+MODEL = ATTENTION_MODEL
 FIT = ('model.fit(np.ones((4096, 256), "int32"), np.ones((4096,), "int64"), batch_size=4096, epochs=1, verbose=0)\\n'
        'print("trained at 4,096")')
 exec(MODEL.replace("JIT", "False"))

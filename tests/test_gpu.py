@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
 import pytest
 
 from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions
@@ -555,17 +556,7 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
 
 
-ATTENTION_AT = """
-import json
-import keras, numpy as np
-L = keras.layers
-tokens = keras.Input((256,), dtype="int32")
-h = L.Embedding(1000, 512, name="embed")(tokens)
-h = L.LayerNormalization(name="ln1")(h + L.MultiHeadAttention(num_heads=8, key_dim=64, name="attn")(h, h))
-h = L.LayerNormalization(name="ln2")(h + L.Dense(512, name="ffn_out")(L.Dense(2048, activation="relu", name="ffn_in")(h)))
-model = keras.Model(tokens, L.Dense(10, name="head")(L.GlobalAveragePooling1D()(h)))  # scores: (batch, 8, 256, 256)
-model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)  # op by op
-"""
+ATTENTION_AT = "import json\n" + gpu_experiments.ATTENTION_MODEL.replace("JIT", "False")  # op by op
 
 
 def test_a_graph_step_at_2_to_the_31_elements_is_foreseen_by_its_plan_and_aborts_a_real_fit():

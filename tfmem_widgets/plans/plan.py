@@ -16,7 +16,6 @@ its plan is the XLA program's, labelled an estimate.
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -403,15 +402,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
     from ..tf.limits import allocator_growth, limit_of
     from .owners import Owners, parameter_owners
 
-    if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
-        unbuilt = " with no optimizer (compile it first)" if not getattr(model, "compiled", False) else (
-            " compiled without an optimizer: a train step needs one (compile(optimizer=...))")
-        raise ArgumentError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
-                            + ("" if not isinstance(model, keras.Model) else unbuilt) + ".")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
-    batch_size = int(batch_size)  # (NumPy's integers too)
-    check_sample(model, sample, build)
+    batch_size = check_sample(model, sample, batch_size, build)
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)

@@ -6,14 +6,24 @@ user's fit."""
 
 from __future__ import annotations
 
+import numbers
+
 from ..errors import ArgumentError
 
 
-def check_sample(model, sample, build: bool) -> None:
-    """Raise ArgumentError (one line) where `sample` cannot stand for the fit's data, or the model cannot be
-    planned as it is."""
+def check_sample(model, sample, batch_size, build: bool) -> int:
+    """The batch size as an int (NumPy's integers too); ArgumentError (one line) where `sample` cannot stand
+    for the fit's data, or the model cannot be planned as it is."""
     import keras
     import tensorflow as tf
+
+    if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
+        unbuilt = " with no optimizer (compile it first)" if not getattr(model, "compiled", False) else (
+            " compiled without an optimizer: a train step needs one (compile(optimizer=...))")
+        raise ArgumentError(f"plan: model must be a compiled Keras model, got {type(model).__name__}"
+                            + ("" if not isinstance(model, keras.Model) else unbuilt) + ".")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
 
     replicas = _replicas(model)
     if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
@@ -42,6 +52,7 @@ def check_sample(model, sample, build: bool) -> None:
                             "plan would build it from the sample's shapes for good; build it on the fit's data first "
                             "(model(x[:1])), or pass build=True.")
     _check_width(model, sample[0])
+    return int(batch_size)
 
 
 def _check_width(model, x) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..fresh.transport import tell_batch
 from ..plans.largest import FreshFit, PlanSearch, largest_planned_batch
 from ..plans.plan import device_of
+from .by_plans import held_beside
 from .probe import first_line
 
 
@@ -40,7 +41,7 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     # step then writes the slots that shared a buffer their own (plan.slots_shared_by_fit).
     fit_builds_slots = device_of(model).startswith("CPU") and not getattr(model.optimizer, "built", True)
     share = data_on_device(make_batch, model)
-    fit = FreshFit(held=lambda planned: tuple(int(size * share) for size in planned.batch_sizes if share),
+    fit = FreshFit(held=lambda planned: held_beside(planned, share),
                    start=start, builds_slots=fit_builds_slots)
     closing = None if closing_aim is None else lambda batch: tell_batch(Path(closing_aim), batch)
     found = largest_planned_batch(model, sample, low=low, high=high, resolution=resolution, max_plans=max_plans,

@@ -86,6 +86,53 @@ model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=Tru
 '''
 
 
+# Notebook 4's float16 gradient step in a fresh lab process (format it with batch, d_in, hidden, classes and
+# min_tensor): the tensors' peak (the same bytes with every kernel) and the allocator's (the kernels' scratch too).
+FLOAT16_STEP = """
+import numpy as np, tensorflow as tf, keras, tfmem_widgets
+keras.mixed_precision.set_global_policy("float16")
+x = tf.random.stateless_normal(({batch}, {d_in}), seed=(1, 2))
+y = tf.random.stateless_uniform(({batch},), seed=(3, 4), maxval={classes}, dtype=tf.int32)
+model = keras.Sequential([keras.Input(({d_in},)), keras.layers.Dense({hidden}, activation="relu"),
+                          keras.layers.Dense({hidden}, activation="relu"), keras.layers.Dense({classes}),
+                          keras.layers.Activation("linear", dtype="float32")])
+def step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x)))
+    return tape.gradient(loss, model.trainable_variables)
+step()
+with tfmem_widgets.measure("CPU:0") as allocator, tfmem_widgets.trace() as t:
+    grads = step()
+tensors = int(np.concatenate([[0], t.events().held_bytes({min_tensor}, scratch=False)]).max())
+allocator_peak = allocator.peak_bytes
+"""
+# The kernels it runs under (environment variables of each fresh process).
+KERNELS = {"oneDNN, all threads": {"TF_ENABLE_ONEDNN_OPTS": "1"},
+           "oneDNN, one thread": {"TF_ENABLE_ONEDNN_OPTS": "1", "TF_NUM_INTRAOP_THREADS": "1"},
+           "Eigen": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+# Notebook 4's sizes for it.
+FLOAT16_SIZES = {"batch": 2048, "d_in": 128, "hidden": 512, "classes": 10, "min_tensor": 1024}
+
+# Notebook 7's model and batches: three Dense layers, Adam, a graph step.
+WHAT_FITS_FUNCTIONS = """
+def build_model():
+    import keras
+
+    model = keras.Sequential([keras.Input((512,)),
+                              keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=False)
+    return model
+
+
+def make_batch(n):
+    import numpy as np
+
+    return np.ones((n, 512), "float32"), np.ones((n, 1), "float32")
+"""
+
+
 EXPERIMENTS: dict[str, Experiment] = {
     "default_limit": Experiment(
         "TensorFlow's default limit: the free memory it reads, minus a reserve",
@@ -477,6 +524,48 @@ result = {"risks": {b: len(p.abort_risks) for b, p in plans.items()}, "died": di
         setup={"growth": True},  # the plans' process holds little beside the sessions it starts
         env={"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
     ),
+    "lab_kernels": Experiment(
+        "Notebook 4's float16 step under three kernels, in lab mode on the CPU of the GPU's machine",
+        "FLOAT16_STEP = " + repr(FLOAT16_STEP) + "\nKERNELS = " + repr(KERNELS) + "\nSIZES = " + repr(FLOAT16_SIZES) + """
+import os, platform, tfmem_widgets
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+           platform.processor())
+print(f"this machine's CPU: {cpu}, {os.cpu_count()} logical cores; lab mode, each kernel in a fresh process")
+peaks = {}
+for name, env in KERNELS.items():
+    run = tfmem_widgets.run_fresh(FLOAT16_STEP.format(**SIZES), setup={"lab_mb": 256, "gpus": []}, env=env,
+                                  returns=["tensors", "allocator_peak"], echo=False)
+    peaks[name] = run.values
+    print(f"float16 step, {name:<20} tensors {run.values['tensors']:>12,} B   the allocator's peak "
+          f"{fmt(run.values['allocator_peak'])}")
+low, high = sorted(v["allocator_peak"] for v in peaks.values())[::2]
+print("the tensors' peak is the same with every kernel:", len({v["tensors"] for v in peaks.values()}) == 1)
+print(f"the allocator's peaks range from {fmt(low)} to {fmt(high)}: they differ by kernel: {high > low}")
+result = {"cpu": cpu, "cores": os.cpu_count(), "peaks": peaks}
+""",
+    ),
+    "edge_above": Experiment(
+        "Notebook 7's search under 128 MB, on a logical GPU and in lab mode on the machine's CPU, and five batches"
+        " just above each first failure",
+        WHAT_FITS_FUNCTIONS + """
+import tfmem_widgets
+result = {}
+for where, setup in (("a 128 MB logical GPU", {"limit_mb": 128}),
+                     ("lab mode, 128 MB on this machine's CPU", {"lab_mb": 128, "gpus": []})):
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup=setup, high=16384, margin=0.1, progress=False)
+    safe, failed = search.edge
+    print(f"{where}: {safe:,} trained below every failure; {failed:,}, the first failure, ran out of memory")
+    more = search.probe(*[int(failed * (1 + k / 50)) for k in range(1, 6)])
+    trained = [p.batch for p in more if p.fits]
+    print(f"  of {len(more)} batches 2% to 10% above the first failure, {len(trained)} of {len(more)} trained"
+          + (": " + ", ".join(f"{b:,}" for b in trained) if trained else ""))
+    print(f"  batches that ran out of memory although the same batch or a larger one trained: {len(search.not_monotone)}")
+    print(f"  the recommended batch, {search.recommended:,}, lies below every failure:",
+          all(search.recommended < p.batch for p in search.failed))
+    result[where] = {"edge": [safe, failed], "above": [[p.batch, p.fits] for p in more],
+                     "recommended": search.recommended}
+""",
+    ),
 }
 
 
@@ -589,7 +678,7 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
         raise KeyError(f"no GPU experiment {name!r}; there are: {', '.join(EXPERIMENTS)}")
     title = EXPERIMENTS[name].title
     if live is None:
-        live = _gpu_here()
+        live = _gpu_here()  # live=False: the recording, also where a GPU is (a run to set beside this one's)
     if live:
         label = _environment_label()
         output, values = run_experiment(name)
@@ -598,8 +687,9 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     recorded = json.loads(RECORDED.read_text())
     entry = recorded["experiments"][name]
     label = entry.get("environment", recorded["environment"])  # one recorded later, on another card
+    why = "shown as recorded" if _gpu_here() else "no GPU here, so not run live"
     source = (f"recorded on {label['device']} (driver {label['driver']}), {versions_label(label)}, "
-              f"{label['date']}; {libraries_label(label['libraries'])}: no GPU here, so not run live")
+              f"{label['date']}; {libraries_label(label['libraries'])}: {why}")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)
 
 

@@ -677,8 +677,9 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     if name not in EXPERIMENTS:
         raise KeyError(f"no GPU experiment {name!r}; there are: {', '.join(EXPERIMENTS)}")
     title = EXPERIMENTS[name].title
+    here = _gpu_here()
     if live is None:
-        live = _gpu_here()  # live=False: the recording, also where a GPU is (a run to set beside this one's)
+        live = here  # live=False: the recording, also where a GPU is (a run to set beside this one's)
     if live:
         label = _environment_label()
         output, values = run_experiment(name)
@@ -687,7 +688,7 @@ def gpu_result(name: str, live: bool | None = None) -> GpuResult:
     recorded = json.loads(RECORDED.read_text())
     entry = recorded["experiments"][name]
     label = entry.get("environment", recorded["environment"])  # one recorded later, on another card
-    why = "shown as recorded" if _gpu_here() else "no GPU here, so not run live"
+    why = "shown as recorded" if here else "no GPU here, so not run live"
     source = (f"recorded on {label['device']} (driver {label['driver']}), {versions_label(label)}, "
               f"{label['date']}; {libraries_label(label['libraries'])}: {why}")
     return GpuResult(name, title, source, entry["output"], entry["values"], False)

@@ -54,3 +54,19 @@ def test_outputs_are_stored_and_no_cell_is_excused_from_the_comparison(path):
         assert not EXCUSES & set(cell.get("metadata", {}).get("tags", [])), _text(cell)[:80]
         assert "# NBVAL_" not in _text(cell), _text(cell)[:80]
     assert sum(1 for c in code if c["outputs"]) >= len(code) // 2
+
+
+def test_a_recording_shown_beside_a_notebooks_run_ran_the_notebooks_own_code():
+    """Notebook 7's `edge_above` recording searched with the functions notebook 7 defines, and notebook 4's
+    `lab_kernels` ran the step notebook 4 runs (its cell formats gpu_experiments.FLOAT16_STEP and prints
+    whether its sizes are the recording's)."""
+    import gpu_experiments
+
+    what_fits = "\n".join(_text(c) for c in _cells(NOTEBOOKS[7]) if c["cell_type"] == "code")
+    assert gpu_experiments.WHAT_FITS_FUNCTIONS.strip() in what_fits
+    accumulation = "\n".join(_text(c) for c in _cells(NOTEBOOKS[4]) if c["cell_type"] == "code")
+    assert "FLOAT16_STEP.format(**SIZES)" in accumulation and "SIZES == FLOAT16_SIZES" in accumulation
+    recorded = json.loads(gpu_experiments.RECORDED.read_text())["experiments"]
+    assert "the recording below ran the same step: True" in "".join(
+        "".join(o.get("text", "")) for c in _cells(NOTEBOOKS[4]) for o in c.get("outputs", []))
+    assert {"edge_above", "lab_kernels"} <= set(recorded)

@@ -333,6 +333,33 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
         tfmem_widgets.max_batch_size(build_model, make_batch, method="guess")
 
 
+def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_trains(capsys, lab_session):
+    from tfmem_widgets.notebook.widgets.setup_panel import SetupPanel
+
+    # Issue 43 fault 6, for the probe search: its line through the peaks at the edge missed far from it (1,609 at
+    # 64 MiB where 1,000 failed). Asked what fits under half its limit, it plans the step once in one fresh
+    # process and places the plans in a fresh pool under that limit: that batch trains in a fresh 64 MB lab and a
+    # fifth more does not. At its own limit it answers from its probes alone, planning nothing.
+    build_model, make_batch = search_functions(jit=True)
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 128}, high=16384,
+                                          progress=False, method="probe", resolution=0.1)
+    safe, failure = search.edge
+    assert failure is not None and search.batch_for(128 << 20) == safe
+    assert not search.plans and not search.plans_tried and "planned" not in repr(search)
+    capsys.readouterr()
+    panel = SetupPanel(search=search)  # the setup panel asks what fits at its slider's limit
+    panel.lab_mb.value = 64
+    assert "planning the step in one fresh process" in capsys.readouterr().out
+    half = search.batch_for(64 << 20)
+    assert f"data-batch='{half}'" in panel.fits.value and "by the search's plans" in panel.fits.value
+    assert search.plans and search.plans_after_seconds > 0 and not search.plans_estimate
+    assert "planned after the probes, for what fits away from their limit" in repr(search)
+    assert 0 < half < safe
+    assert [_trains_in_a_64_mb_lab(n) for n in (half, half * 6 // 5)] == [True, False], half
+    assert search.needs_bytes(half) <= 64 << 20 < search.needs_bytes(half * 6 // 5)
+    assert "planning" not in capsys.readouterr().out  # once
+
+
 def _trains_in_a_64_mb_lab(batch: int) -> bool:
     """The search's model fitted as its probes fit it, in a fresh process with a 64 MB lab."""
     from tfmem_widgets.errors import FreshRunError

@@ -12,8 +12,8 @@ from html import escape
 
 from ..errors import TraceDataError
 from ..plans.need import StepNeed
-from ..readings.layers import ACTIVATIONS, FORWARD
-from ..text import LinesText
+from ..readings.layers import ACTIVATIONS, FORWARD, NO_OP_KNOWN, UNATTRIBUTED
+from ..text import THIS_MACHINE, LinesText, marked
 from ..tf.dump_place import removed_with_its_call
 from ..tf.limits import CAPPED_SOURCES
 from ..tracing.allocator_map import AllocatorMap
@@ -32,10 +32,13 @@ XLA_AFTER_OOM = ("after an XLA program's OOM TensorFlow's allocator is left inco
 # A compiled step's OOM on a CPU (lab mode): its kernels' temporaries come from the same allocator
 # (which kernel runs depends on the processor), and its ops run on several threads in an order that
 # differs between runs.
+# Each figure those shape (the holes, the pool, the bytes no op or layer names) is marked "(this CPU)", as are
+# the figures of XLA's plans of the step, made for this processor; the request and the variables' are not.
 CPU_STEP_NOTE = ("a compiled step on a CPU: the temporary buffers its kernels ask of the allocator (which kernel "
                  "runs depends on this processor) and "
                  "the order its threads ran ops in shape the holes, the pool and the activations' bytes, so "
-                 "these differ between runs and CPUs; the request and the variables' bytes do not")
+                 "these differ between runs and CPUs, as the figures of the step's plans (XLA's, for this CPU) do; "
+                 "each such figure is marked (this CPU): the request and the variables' bytes are not")
 
 
 def _of_map(name: str) -> property:
@@ -75,6 +78,19 @@ class OomReport(LinesText):
     largest_free_bytes = _of_map("largest_free_bytes")
     free_in_pool_bytes = _of_map("free_bytes")
     fragmentation = _of_map("fragmentation")
+
+    @property
+    def cpu_step(self) -> bool:
+        """A compiled step's OOM on a CPU (lab mode): its holes, pool and activations vary (CPU_STEP_NOTE)."""
+        return bool(self.step) and self.map is not None and "cpu" in self.allocator.lower()
+
+    def _v(self, figure) -> str:
+        """Bytes (or a figure in words) that vary in a compiled step's OOM on a CPU, marked there."""
+        return marked(figure if isinstance(figure, str) else format_bytes(figure), self.cpu_step and figure is not None)
+
+    def _capacity(self) -> str:
+        """What the card or the host has; the host's memory marked: it is the machine's."""
+        return marked(format_bytes(self.capacity_bytes), self.capacity_source == "host's memory", THIS_MACHINE)
 
     @property
     def holes(self) -> int:
@@ -135,11 +151,11 @@ class OomReport(LinesText):
         return best if excess >= max(MiB, short, rounded(self.request_bytes)) else None
 
     def _needs_line(self) -> str:
-        parts = [f"needs {format_bytes(self.request_bytes)}",
-                 f"largest hole {format_bytes(self.largest_free_bytes)}",
-                 f"{format_bytes(self.free_in_pool_bytes)} free in {self.holes} hole{'s' if self.holes != 1 else ''}"]
+        v = self._v
+        parts = [f"needs {format_bytes(self.request_bytes)}", f"largest hole {v(self.largest_free_bytes)}",
+                 f"{v(self.free_in_pool_bytes)} free in {v(str(self.holes))} hole{'s' if self.holes != 1 else ''}"]
         if self.unclaimed_bytes:
-            parts.append(f"{format_bytes(self.unclaimed_bytes)} under the limit not yet in the pool "
+            parts.append(f"{v(self.unclaimed_bytes)} under the limit not yet in the pool "
                          "(too little for the region it would need)")
         return "; ".join(parts)
 
@@ -154,27 +170,27 @@ class OomReport(LinesText):
                 return ["the error does not say how many bytes were asked for"]
             return [f"the request ({format_bytes(self.request_bytes)}) fits the largest hole "
                     f"({format_bytes(self.largest_free_bytes)}) of this dump: it was written at another moment"]
-        lines = [self._needs_line()]
+        lines, v = [self._needs_line()], self._v
         if verdict == FRAGMENTATION:
             lines.append(
-                f"fragmentation: {format_bytes(self.free_under_limit_bytes if self.limit_bytes else self.free_in_pool_bytes)}"
+                f"fragmentation: {v(self.free_under_limit_bytes if self.limit_bytes else self.free_in_pool_bytes)}"
                 f" free in total, more than the request, but no single hole is big enough "
-                f"(TensorFlow's fragmentation figure {self.fragmentation:.2f})")
+                f"(TensorFlow's fragmentation figure {v(f'{self.fragmentation:.2f}')})")
         else:
             short = self.map.in_use_bytes + self.request_bytes - (self.limit_bytes or self.map.pool_bytes)
             lines.append(
-                f"{'shortage' if verdict == SHORTAGE else 'a limit'}: {format_bytes(self.map.in_use_bytes)} in use "
+                f"{'shortage' if verdict == SHORTAGE else 'a limit'}: {v(self.map.in_use_bytes)} in use "
                 f"of {format_bytes(self.limit_bytes)} ({self.limit_source}): only "
-                f"{format_bytes(self.free_under_limit_bytes)} free in total, {format_bytes(short)} short")
+                f"{v(self.free_under_limit_bytes)} free in total, {v(short)} short")
             if verdict == LIMIT:
-                lines.append(f"the {self.capacity_source} has {format_bytes(self.capacity_bytes)}: "
+                lines.append(f"the {self.capacity_source} has {self._capacity()}: "
                              f"the limit, not the hardware, stops this request")
         whole = self.whole_chunk()
         if whole is not None:
             chunk, asked = whole
             owner = f" ({chunk.op.strip('()')})" if chunk.op else ""
-            lines.append(f"a chunk handed out whole: {format_bytes(asked)} was asked for{owner} and the allocator gave "
-                         f"the free chunk of {format_bytes(chunk.size)} it found, {format_bytes(chunk.size - asked)} more "
+            lines.append(f"a chunk handed out whole: {v(asked)} was asked for{owner} and the allocator gave "
+                         f"the free chunk of {v(chunk.size)} it found, {v(chunk.size - asked)} more "
                          "(it splits a free chunk only when it is at least twice the request or 128 MiB larger); "
                          "without that this request would fit")
         return lines
@@ -188,23 +204,24 @@ class OomReport(LinesText):
         if self.need is not None and self.need.phase == "validation":
             return self._validation_fixes()
         need = self.need if self.need is not None and self.need.peak_bytes is not None else None
+        v = self._v
         if verdict == FRAGMENTATION:
             total = self.map.in_use_bytes + self.request_bytes
             restart = ("(nothing of the pool comes back at del or gc: restart the kernel and run the setup again, "
                        "or run the cell with %%tfmem fresh)")
             if need is not None and need.fits_batch is not None and need.fits_batch >= need.batch_size:
                 out.append(f"start from an empty pool: the step's planned peak at batch {need.batch_size:,}, "
-                           f"{format_bytes(need.peak_bytes)}, is under the {format_bytes(self.limit_bytes)} limit "
+                           f"{v(need.peak_bytes)}, is under the {format_bytes(self.limit_bytes)} limit "
                            f"{restart}")
             elif need is None:
                 out.append(f"if earlier work left these holes (an earlier fit or cell, tensors since freed), start "
-                           f"from an empty pool: in a new process {format_bytes(self.map.in_use_bytes)} in use "
-                           f"+ {format_bytes(self.request_bytes)} = {format_bytes(total)} fits the "
+                           f"from an empty pool: in a new process {v(self.map.in_use_bytes)} in use "
+                           f"+ {format_bytes(self.request_bytes)} = {v(total)} fits the "
                            f"{format_bytes(self.limit_bytes)} limit {restart}")
                 if self.step:
                     out.append(f"if this step made the holes itself, a new process makes them again: a smaller batch "
                                f"shrinks the request ({format_bytes(self.request_bytes)}) toward the largest hole "
-                               f"({format_bytes(self.largest_free_bytes)}); gradient accumulation keeps the effective "
+                               f"({v(self.largest_free_bytes)}); gradient accumulation keeps the effective "
                                "batch (workbook notebook 4)")
             out.append("make the large, long-lived tensors first (model and optimizer before the data, buffers "
                        "reused instead of re-created): small chunks kept between them are what splits the pool")
@@ -214,30 +231,30 @@ class OomReport(LinesText):
         whole = self.whole_chunk()
         if verdict == LIMIT:
             if need is not None and need.least_limit_bytes is not None and need.least_limit_bytes > need.peak_bytes:
-                out.append(f"raise the limit to at least {_mib_up(need.least_limit_bytes)} MiB (the step at batch "
-                           f"{need.batch_size:,} with the fit's data, each buffer placed as the allocator places it; "
-                           f"its peak alone is {format_bytes(need.peak_bytes)}; the {self.capacity_source} has "
-                           f"{format_bytes(self.capacity_bytes)}): restart, then %tfmem setup with the new limit")
+                out.append(f"raise the limit to at least {v(f'{_mib_up(need.least_limit_bytes)} MiB')} (the step at "
+                           f"batch {need.batch_size:,} with the fit's data, each buffer placed as the allocator places "
+                           f"it; its peak alone is {v(need.peak_bytes)}; the {self.capacity_source} has "
+                           f"{self._capacity()}): restart, then %tfmem setup with the new limit")
             elif need is not None:
-                out.append(f"raise the limit to at least {_mib_up(need.peak_bytes)} MiB (the step's peak at batch "
-                           f"{need.batch_size:,}; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
+                out.append(f"raise the limit to at least {v(f'{_mib_up(need.peak_bytes)} MiB')} (the step's peak at "
+                           f"batch {need.batch_size:,}; the {self.capacity_source} has {self._capacity()}): "
                            "restart, then %tfmem setup with the new limit")
             elif whole is not None and len(self.map.regions) == 1:
                 chunk, asked = whole
                 least = self.limit_bytes + _split_room(chunk.size, asked, self.request_bytes)
-                out.append(f"raise the limit to at least {_mib_up(least)} MiB: then the allocator splits the rest "
-                           f"of its one region for the {format_bytes(asked)} buffer and this request finds room (in "
-                           f"use + this request is not enough: the {format_bytes(chunk.size)} chunk would be handed "
-                           f"out whole again; the {self.capacity_source} has {format_bytes(self.capacity_bytes)}): "
+                out.append(f"raise the limit to at least {v(f'{_mib_up(least)} MiB')}: then the allocator splits the "
+                           f"rest of its one region for the {v(asked)} buffer and this request finds room (in "
+                           f"use + this request is not enough: the {v(chunk.size)} chunk would be handed "
+                           f"out whole again; the {self.capacity_source} has {self._capacity()}): "
                            "restart, then %tfmem setup with the new limit")
             elif self.xla:
-                out.append(f"raise the limit to at least {_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in "
-                           f"use + the XLA program's temporaries; the {self.capacity_source} has "
-                           f"{format_bytes(self.capacity_bytes)}): restart, then %tfmem setup with the new limit")
+                out.append(f"raise the limit to at least {v(f'{_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB')}"
+                           f" (in use + the XLA program's temporaries; the {self.capacity_source} has "
+                           f"{self._capacity()}): restart, then %tfmem setup with the new limit")
             else:
                 out.append(f"raise the limit {'above' if self.step else 'to at least'} "
-                           f"{_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB (in use + this request; the "
-                           f"{self.capacity_source} has {format_bytes(self.capacity_bytes)}"
+                           f"{v(f'{_mib_up(self.map.in_use_bytes + self.request_bytes)} MiB')} (in use + this request; "
+                           f"the {self.capacity_source} has {self._capacity()}"
                            + ("; the rest of the step needs more: plan it" if self.step else "")
                            + "): restart, then %tfmem setup with the new limit")
         if verdict in (SHORTAGE, LIMIT):
@@ -265,29 +282,29 @@ class OomReport(LinesText):
             if ACTIVATIONS in self.anatomy:
                 sizes.append((self.anatomy[ACTIVATIONS], ACTIVATIONS))
             size, key = max(sizes, default=(0, ""))
-            top = f"largest activations: {key} {format_bytes(size)}" if size else None
+            top = f"largest activations: {key} {self._v(size)}" if size else None
         precision = None if _mixed_policy() else (
             "mixed precision (keras.mixed_precision.set_global_policy('mixed_float16')) halves the activations")
         out = []
         if need is not None and need.fits_batch is None and need.fails_batch is not None:
-            out.append(f"no batch fits this limit by the plans (down to batch {need.fails_batch:,}): the model's "
+            out.append(f"no batch fits this limit by the plans (down to batch {self._v(f'{need.fails_batch:,}')}): the model's "
                        f"variables ({format_bytes(need.resident_bytes)}) and the fit's data leave no room for the step; "
                        "raise the limit, or hold less: the data in a tf.data pipeline instead of arrays, an optimizer "
                        "with fewer slots (SGD keeps none, Adam two per weight)")
         elif need is not None and need.fits_batch is not None:
-            out.append(f"a smaller batch: at most {need.fits_batch:,}, where the planned step reaches the "
+            out.append(f"a smaller batch: at most {self._v(f'{need.fits_batch:,}')}, where the planned step reaches the "
                        f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
                        f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "
                        "(workbook notebook 4)")
         elif self.xla and (whole := self.whole_chunk()) is not None:
-            out.append(f"a smaller batch shrinks the XLA program's buffer ({format_bytes(whole[1])}) until the allocator "
+            out.append(f"a smaller batch shrinks the XLA program's buffer ({self._v(whole[1])}) until the allocator "
                        "splits the chunk it takes and the rest holds the program's next requests; "
                        "tfmem_widgets.plan(model, (x, y), batch_size) in a new process (or %%tfmem batch --plan) gives "
                        "the batch that fits, placing each buffer as the allocator does")
         elif self.xla:
             out.append(f"the request ({format_bytes(self.request_bytes)}) is the XLA program's temporaries, asked for "
                        f"as one buffer: the step needs at least in use + it, "
-                       f"{format_bytes(self.map.in_use_bytes + self.request_bytes)}, at this batch; a smaller batch "
+                       f"{self._v(self.map.in_use_bytes + self.request_bytes)}, at this batch; a smaller batch "
                        "shrinks it nearly in proportion; tfmem_widgets.plan(model, (x, y), batch_size) in a new process "
                        "(or %%tfmem batch --plan) gives the batch that fits")
         elif self.step or self.anatomy is not None and self.anatomy.layers:
@@ -298,7 +315,7 @@ class OomReport(LinesText):
         else:
             short = self.map.in_use_bytes + self.request_bytes - (self.limit_bytes or self.map.pool_bytes)
             if verdict != FRAGMENTATION:
-                out.append(f"free {format_bytes(short)} of what is in use, or ask for that much less: in use + this "
+                out.append(f"free {self._v(short)} of what is in use, or ask for that much less: in use + this "
                            "request is that much over")
         if verdict != FRAGMENTATION and precision:
             out.append(precision + (f"; {top}" if top else ""))
@@ -329,16 +346,18 @@ class OomReport(LinesText):
     def lines(self) -> list[str]:
         lines = [f"OOM in {self.allocator}{self._where()}: {self.message}"]
         if self.map is not None:
+            v = self._v
             lines.append(
                 f"  request {format_bytes(self.request_bytes)} vs largest free chunk "
-                f"{format_bytes(self.largest_free_bytes)}; in use {format_bytes(self.in_use_bytes)}, pool "
-                f"{format_bytes(self.pool_bytes)}, limit {format_bytes(self.limit_bytes)} ({self.limit_source})"
+                f"{v(self.largest_free_bytes)}; in use {v(self.in_use_bytes)}, pool "
+                f"{v(self.pool_bytes)}, limit {format_bytes(self.limit_bytes)} ({self.limit_source})"
                 + ("" if self.fragmentation is None or self.fragmentation != self.fragmentation
-                   else f"; fragmentation {self.fragmentation:.4f}"))
+                   else f"; fragmentation {v(f'{self.fragmentation:.4f}')}"))
         lines.append(f"  verdict: {self.verdict}")
         lines += [f"    {r}" for r in self.reasons()]
         if self.need is not None:
-            lines += [f"  {n}" for n in self.need.lines(format_bytes(self.need.limit_bytes or self.limit_bytes))]
+            lines += [f"  {n}" for n in self.need.lines(format_bytes(self.need.limit_bytes or self.limit_bytes),
+                                                        varies=self.cpu_step)]
         picture = occupancy(self.map) if self.map is not None else ""
         if picture:
             lines.append(f"  pool [{picture}]  (* in use, _ free, | region)")
@@ -348,7 +367,7 @@ class OomReport(LinesText):
             lines += [f"    - {f}" for f in fixes]
         if self.anatomy is not None and len(self.anatomy):
             lines.append("  in use by layer:")
-            lines += ["  " + line for line in self.anatomy.lines(top=8)]
+            lines += ["  " + line for line in self.anatomy.lines(top=8, varies=self._varying_keys())]
             lines += [f"    note: {n}" for n in self.anatomy.notes]
         if self.dump_path:
             gone = " (in the fresh process's folder, removed when it ends)" if removed_with_its_call(self.dump_path) else ""
@@ -356,9 +375,13 @@ class OomReport(LinesText):
         lines += [f"  note: {n}" for n in self._all_notes()]
         return lines
 
+    def _varying_keys(self) -> tuple[str, ...]:
+        """The by-layer keys whose bytes hold the kernels' temporaries, in a compiled step's OOM on a CPU."""
+        return (ACTIVATIONS, NO_OP_KNOWN, UNATTRIBUTED) if self.cpu_step else ()
+
     def _all_notes(self) -> tuple[str, ...]:
         notes = (*self.notes, XLA_AFTER_OOM) if self.xla else self.notes
-        if self.step and self.map is not None and "cpu" in self.allocator.lower():
+        if self.cpu_step:
             notes = (*notes, CPU_STEP_NOTE)  # said last: what is above it varies
         return notes
 
@@ -367,11 +390,12 @@ class OomReport(LinesText):
         parts = [f"<div class='tfmem-oom'><b>OOM in {escape(self.allocator)}</b>"
                  f"{escape(self._where())}: <code>{escape(self.message)}</code>"]
         if self.map is not None:
+            v = self._v
             rows = [("request", format_bytes(self.request_bytes)),
-                    ("largest free chunk", format_bytes(self.largest_free_bytes)),
-                    ("free in the pool", f"{format_bytes(self.free_in_pool_bytes)} in {self.holes} holes"),
-                    ("in use", format_bytes(self.in_use_bytes)),
-                    ("pool", format_bytes(self.pool_bytes)),
+                    ("largest free chunk", v(self.largest_free_bytes)),
+                    ("free in the pool", f"{v(self.free_in_pool_bytes)} in {v(str(self.holes))} holes"),
+                    ("in use", v(self.in_use_bytes)),
+                    ("pool", v(self.pool_bytes)),
                     ("limit", f"{format_bytes(self.limit_bytes)} ({escape(self.limit_source)})")]
             parts.append("<table>" + "".join(f"<tr><td>{k}</td><td style='text-align:right'>{v}</td></tr>"
                                              for k, v in rows) + "</table>")
@@ -380,12 +404,13 @@ class OomReport(LinesText):
                      + "<br>".join(escape(r) for r in self.reasons()) + "</p>")
         if self.need is not None:
             parts.append("<p>" + "<br>".join(escape(n) for n in self.need.lines(
-                format_bytes(self.need.limit_bytes or self.limit_bytes))) + "</p>")
+                format_bytes(self.need.limit_bytes or self.limit_bytes), varies=self.cpu_step)) + "</p>")
         fixes = self.fixes()
         if fixes:
             parts.append("<b>fixes</b><ul>" + "".join(f"<li>{escape(f)}</li>" for f in fixes) + "</ul>")
         if self.anatomy is not None and len(self.anatomy):
-            parts.append("<b>in use by layer</b><pre>" + escape("\n".join(self.anatomy.lines(top=8))) + "</pre>")
+            parts.append("<b>in use by layer</b><pre>"
+                         + escape("\n".join(self.anatomy.lines(top=8, varies=self._varying_keys()))) + "</pre>")
             parts += [f"<i>{escape(n)}</i><br>" for n in self.anatomy.notes]
         parts += [f"<i>note: {escape(n)}</i><br>" for n in self._all_notes()]
         return "".join(parts) + "</div>"

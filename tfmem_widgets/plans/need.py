@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import ArgumentError
 from ..readings.fit_context import FitContext
+from ..text import marked
 from ..units import format_bytes
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
 
@@ -63,7 +64,12 @@ class StepNeed:
             f"the step: the fit's validation (the evaluate Keras runs at an epoch's end) at its batch of {batch_size:,}"
             f", not the train step{held}; the train step's plans do not apply, so none was made"))
 
-    def lines(self, limit_text: str) -> list[str]:
+    def lines(self, limit_text: str, varies: bool = False) -> list[str]:
+        """The need in words. varies: the OOM was a compiled step's on a CPU, where the plans are XLA's for this
+        processor and in use holds the kernels' temporaries: their figures are marked " (this CPU)"."""
+        def m(figure: str) -> str:
+            return marked(figure, varies)
+
         out = []
         if self.peak_bytes is not None:
             how = ("XLA's CPU program of a copy of the model: an estimate of its GPU program"
@@ -73,19 +79,20 @@ class StepNeed:
                    "in use + the XLA program's one buffer of temporaries")
             parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
             least = "at least " if self.source == "xla request" else ""
-            out.append(f"the step: at batch {self.batch_size:,} it needs {least}{format_bytes(self.peak_bytes)} at its "
-                       f"peak ({how}{parts}) against the {limit_text} limit")
+            out.append(f"the step: at batch {self.batch_size:,} it needs {least}{m(format_bytes(self.peak_bytes))} at "
+                       f"its peak ({how}{parts}) against the {limit_text} limit")
         if self.fits_batch is not None:
-            above = f"; {self.fails_batch:,} does not" if self.fails_batch is not None else ""
-            out.append(f"what fits: at most batch {self.fits_batch:,}, where the planned step, with the fit's data "
-                       f"and input pipeline, reaches the limit ({self.plans} plans in {self.seconds:.1f} s{above}); a fit "
+            above = f"; {m(f'{self.fails_batch:,}')} does not" if self.fails_batch is not None else ""
+            out.append(f"what fits: at most batch {m(f'{self.fits_batch:,}')}, where the planned step, with the fit's "
+                       f"data and input pipeline, reaches the limit ({m(str(self.plans))} plans in "
+                       f"{m(f'{self.seconds:.1f} s')}{above}); a fit "
                        "can take more than its plan (its first step, where the pool's regions fall): a probe confirms "
                        "it (%%tfmem batch --plan)")
         elif self.source == "xla request":
             out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
                        "the batch): after an XLA program's OOM this one is not planned")
         elif self.source in ("plan", "cpu plan") and self.peak_bytes is not None and self.fails_batch is not None:
-            out.append(f"what fits: no batch planned fits this limit (down to {self.fails_batch:,})")
+            out.append(f"what fits: no batch planned fits this limit (down to {m(f'{self.fails_batch:,}')})")
         if self.note:
             out.append(self.note)
         return out

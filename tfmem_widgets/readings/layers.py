@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..frontend import frontend
+from ..text import marked
 from ..tf.messages import FUNCTION
 from ..units import format_bytes
 
@@ -399,7 +400,10 @@ class LayerAnatomy:
     def unattributed_bytes(self) -> int:
         return sum(self.rows.get(UNATTRIBUTED, {}).values())
 
-    def lines(self, top: int = 12) -> list[str]:
+    def lines(self, top: int = 12, varies: tuple[str, ...] = ()) -> list[str]:
+        """The rows, largest first. varies: keys whose bytes vary (an OOM of a compiled step on a CPU: the bytes no
+        op names hold the kernels' temporaries): their totals are marked " (this CPU)", one space after the key's
+        column, not padded to the figures' column."""
         order = self._order()
         width = max([len(k) for k in order[:top]] + [5])
         out = []
@@ -409,10 +413,11 @@ class LayerAnatomy:
                 shown.pop(OTHER, None)  # all of the row (its total says it), or too little to name
             phases = ", ".join(f"{p} {format_bytes(b)}" for p, b in sorted(  # (other too: a mixed policy's casts)
                 shown.items(), key=lambda pb: PHASES.index(pb[0]) if pb[0] in PHASES else 99))
-            out.append(f"  {key:<{width}} {format_bytes(self[key]):>11}  {phases}")
+            total = marked(format_bytes(self[key]), True) if key in varies else f"{format_bytes(self[key]):>11}"
+            out.append(f"  {key:<{width}} {total}  {phases}")
         if len(order) > top:
             rest = sum(self[k] for k in order[top:])
-            out.append(f"  ... {len(order) - top} more: {format_bytes(rest)}")
+            out.append(f"  ... {len(order) - top} more: {marked(format_bytes(rest), bool(set(order[top:]) & set(varies)))}")
         return out
 
     def __repr__(self) -> str:

@@ -22,25 +22,20 @@ holds less: Keras' input pipeline holds a batch on the device too).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ArgumentError, StateError
-from ..text import LinesText
+from ..text import LinesText, RunNote
 from ..units import format_bytes
+from .arguments import check_count, check_fraction, where_words
 from .by_plans import batch_by_plans, need_by_plans
 from .next_probe import next_batch, settle_recommended
 from .probe import Probe, first_line
 from .progress import progress_for
+from .search_text import search_lines
 from .warm import probing, room_for_two
-
-DEATHS = ("died", "abort: 2^31 elements")  # the verdicts of a probe whose process a signal ended
-
-# A fit given NumPy arrays holds the whole arrays on the device besides the probes' one batch (docs/what-fits.md).
-NUMPY_NOTE = ("the probes hold one batch; model.fit(x, y) with NumPy arrays also puts the whole arrays on the "
-              "device: feed a tf.data pipeline built on the host (with tf.device('CPU:0')), or leave room for them")
 
 
 @dataclass(repr=False)
@@ -67,6 +62,9 @@ class BatchSearch(LinesText):
     beside_plans_seconds: float = 0.0  # of the probes' seconds, what they spent while the plans were still made
     margin_probes: int = 0  # of the probes, those a margin added after the edge was known (search/next_probe.py)
     data_share: float = 0.0  # a plan search's: the part of a batch's bytes the fit's data holds besides the step
+    plans_tried: bool = False  # a probe search's plans were asked for (search/plan_first.plans_after)
+    plans_after_seconds: float = 0.0  # their process, start to end (not in `seconds`: the search had ended)
+    plans_estimate: bool = False  # the plans are of the step under XLA, where the model's step runs without it
     _run: tuple | None = field(default=None, repr=False, compare=False)  # (functions, setup, env, timeout)
 
     def probe(self, *batches: int) -> list[Probe]:
@@ -157,25 +155,45 @@ class BatchSearch(LinesText):
                 "read to other limits; search from a larger batch (low) for one.")
 
     def needs_bytes(self, batch: int) -> int | None:
-        """The limit `batch` needs: by the plans of a plan search (each placed in the pool as a fresh fit's:
-        search/by_plans.py), else the peak the line through the probes' peaks predicts (None without a line)."""
+        """The limit `batch` needs: by the search's plans (each placed in the pool as a fresh fit's:
+        search/by_plans.py; a probe search makes them now, once), else, where none can be made, the peak the
+        line through the probes' peaks predicts (None without a line)."""
+        self._plan_away()
         if self.plans:
             return need_by_plans(self.plans, self.data_share, batch)
         model = self.peak_model()
         return None if model is None else int(model[0] + model[1] * batch)
 
     def batch_for(self, limit_bytes: int) -> int | None:
-        """The largest batch that fits `limit_bytes`: by the plans of a plan search (each placed in a fresh pool
-        under that limit: search/by_plans.py), else by the line through the peaks (None without one), bounded
+        """The largest batch that fits `limit_bytes`: by the search's plans (each placed in a fresh pool under
+        that limit: search/by_plans.py; a probe search asked away from its edge makes them now, once), else, where
+        none can be made, by the line through the peaks (None without one), bounded
         by what was measured: at the search's own limit the largest batch below every failure; under
         it, never more (what failed there fails under less); above it, never less."""
-        line = batch_by_plans(self.plans, self.data_share, limit_bytes) if self.plans else self._line_batch(limit_bytes)
         measured, failure = self.edge
+        if self.will_plan(limit_bytes):
+            self._plan_away()
+        line = batch_by_plans(self.plans, self.data_share, limit_bytes) if self.plans else self._line_batch(limit_bytes)
         if line is None or self.limit_bytes is None or measured is None:
             return line
         if limit_bytes >= self.limit_bytes:
             return measured if (limit_bytes == self.limit_bytes and failure is not None) else max(line, measured)
         return min(line, measured) if failure is not None else line
+
+    def will_plan(self, limit_bytes: int | None = None) -> bool:
+        """Whether asking what fits at `limit_bytes` (None: what a batch needs) starts the one planning
+        process first (a probe search away from its edge: _plan_away)."""
+        if self.plans or self.plans_tried or self._run is None:
+            return False
+        return limit_bytes is None or limit_bytes != self.limit_bytes or self.edge[1] is None
+
+    def _plan_away(self) -> None:
+        """A probe search asked what fits away from its edge plans its step then, once (one fresh process:
+        search/plan_first.plans_after); a line through peaks at the edge misses far from it."""
+        if self.will_plan():
+            from .plan_first import plans_after
+
+            plans_after(self)
 
     def within_margin_bytes(self, limit_bytes: int) -> int:
         """The part of a limit a batch may use with the search's margin kept free."""
@@ -183,7 +201,7 @@ class BatchSearch(LinesText):
 
     def limit_needed_bytes(self, batch: int) -> int | None:
         """The limit `batch` needs with the margin kept free: from its own measured peak where a probe
-        trained at it, else by the line through the peaks (None without either)."""
+        trained at it, else as needs_bytes says (None without an answer)."""
         measured = self.measured_peak(batch)
         need = measured if measured is not None else self.needs_bytes(batch)
         return None if need is None else int(need / (1 - self.margin))
@@ -245,80 +263,8 @@ class BatchSearch(LinesText):
 
     # -- text -------------------------------------------------------------------------------
     def lines(self) -> list[str]:
-        head = f"tfmem batch search: {self.where}, {self.steps} train step{'s' if self.steps != 1 else ''} a probe"
-        if self.limit_bytes is not None:
-            head += f", limit {format_bytes(self.limit_bytes)} ({self.limit_source})"
-        out = [head]
-        largest = self.largest
-        safe, failure = self.edge
-        if largest is None and not self.probes:
-            out.append("  nothing measured: the search was interrupted before its first probe ended" if self.interrupted
-                       else "  nothing measured: no probe ran")
-        elif largest is None:
-            first = min(self.probes, key=lambda p: p.batch)
-            out.append(f"  nothing trained: a batch of {first.batch:,} "
-                       + (f"did not train ({first.verdict})" if first.verdict in DEATHS else "ran out of memory"))
-        else:
-            rec = self.recommended
-            out.append(f"  largest batch that trained: {largest:,}"
-                       + (f"; below every failure: {safe:,}" if safe != largest and safe is not None else "")
-                       + (f"; recommended, its measured peaks leaving {self.margin:.0%} of the limit free"
-                          + (f", {self.margin:.0%} below every failure" if failure is not None else "") + f": {rec:,}"
-                          + (f" (in each of {self.trained_at(rec)} fresh processes)" if self.trained_at(rec) > 1
-                             else "") if self.margin and rec is not None else "")
-                       + (f"; no batch whose probes' peaks left {self.margin:.0%} of the limit free"
-                          + (f", {self.margin:.0%} below every failure" if failure is not None else "")
-                          if self.margin and rec is None else ""))
-            largest = safe if safe is not None else largest
-            if failure is not None and failure > largest:
-                step = max(1, math.ceil(largest * self.resolution))
-                at = [p for p in self.failed if p.batch == failure]
-                how = ("ran out of memory" if any(p.verdict not in DEATHS for p in at) else
-                       f"did not train ({at[0].verdict})") if at else "cannot train by its plan (not probed)"
-                out.append(f"  edge: {largest:,} trained, {failure:,} {how} "
-                           f"({failure - largest:,} apart; resolution {self.resolution:.0%} = {step:,} examples)")
-            elif largest >= self.high:
-                out.append(f"  the highest batch asked for ({self.high:,}) trained: the edge is above it")
-        model = self.peak_model()
-        if model is not None:
-            out.append(f"  peak = {format_bytes(max(0, int(model[0])))} + {format_bytes(int(model[1]))} per example "
-                       "(a line through the batches that trained)")
-        if self.plans:
-            planned = self.plan_answer
-            out.append(f"  planned first: {len(self.plans)} plans of the step (XLA's buffer assignment) in "
-                       f"{self.plan_seconds:.0f} s, one fresh process; "
-                       + (f"the largest batch they fit: {planned:,}" if planned else "none fits"))
-        elif self.plan_seconds:
-            out.append(f"  a fresh process to plan first: {self.plan_seconds:.0f} s, no plans (the notes say why)")
-        out.append(f"  {len(self.probes)} probe{'s' if len(self.probes) != 1 else ''} in "
-                   f"{sum(p.seconds for p in self.probes) - self.overlap_seconds:.0f} s, each in a fresh process"
-                   + (f" ({self.margin_probes} of them for the margin, after the edge was known)"
-                      if self.margin_probes else "")
-                   + (" (two side by side" if self.overlap_seconds else "")
-                   + (f", {self.beside_plans_seconds:.0f} s of it while the plans were made" if self.beside_plans_seconds
-                      else "")
-                   + (")" if self.overlap_seconds else "") + ":")
-        for p in self.probes:
-            if p.fits:
-                what = f"trained, peak {format_bytes(p.peak_bytes)}"
-            elif p.verdict in DEATHS:
-                what = f"did not train ({p.verdict}): the process {p.died}"
-            else:
-                what = "out of memory" + (f" ({p.verdict}" + (f", request {format_bytes(p.request_bytes)}"
-                                                               if p.request_bytes else "") + ")" if p.verdict else "")
-                if p.died:
-                    what += f"; the process {p.died}"
-            out.append(f"    batch {p.batch:>8,}: {what} ({p.seconds:.1f} s)")
-        for failed, trained in self.not_monotone:
-            what = (f"{trained:,} trained in one fresh process and ran out of memory in another" if trained == failed
-                    else f"{trained:,} trained although {failed:,} ran out of memory")
-            out.append(f"  warning: not monotone: {what}: near the edge the allocator's regions and chunk rounding "
-                       "decide; keep a margin")
-        if self.interrupted:
-            out.append("  interrupted: the search stopped with the probes above")
-        if largest is not None:
-            out.append(f"  note: {NUMPY_NOTE}")
-        return out + [f"  note: {n}" for n in self.notes]
+        """The search in words; in lab mode what varies with the CPU is marked (search/search_text.py)."""
+        return search_lines(self)
 
     # -- picture -----------------------------------------------------------------------------
     def plot(self, ax=None, pick: int | None = None):
@@ -330,32 +276,6 @@ class BatchSearch(LinesText):
 
 
 # -- the search ----------------------------------------------------------------------------
-
-def check_count(name: str, value, least: int, who: str = "max_batch_size") -> int:
-    """A whole number of at least `least` (low, high, steps, a probe's batch), or one line."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ArgumentError(f"{who + ': ' if who else ''}{name} must be a whole number of at least {least}, got {value!r}.")
-    return int(value)
-
-
-def check_fraction(name: str, value, top: float, who: str = "max_batch_size") -> float:
-    """A number from 0 to under `top` (margin, resolution), or one line."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < top \
-            or not math.isfinite(value):
-        raise ArgumentError(f"{who + ': ' if who else ''}{name} must be a number from 0 to under {top:g}, got {value!r}.")
-    return float(value)
-
-
-def _where(setup: Mapping | None) -> str:
-    setup = setup or {}
-    if setup.get("lab_mb"):
-        return f"lab mode {setup['lab_mb']} MB, CPU kernels (a GPU's workspaces differ)"
-    if setup.get("limit_mb"):
-        limit = setup["limit_mb"]
-        size = limit if not isinstance(limit, Mapping) else ", ".join(f"GPU {k}: {v}" for k, v in limit.items())
-        return f"as if on a card of {size} MB (a logical device limit)"
-    return "the default device, set up by TensorFlow's defaults"
-
 
 def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], Any], *,
                    setup: Mapping[str, Any] | None = None, low: int = 1, high: int = 65536, steps: int = 2,
@@ -397,13 +317,13 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
             within = search.first_failure is not None and search.largest is not None and \
                 search.first_failure - search.largest <= max(1, math.ceil(search.largest * search.resolution))
-            search.notes.append(f"stopped at max_probes={max_probes} " + (
-                "before the probe past the edge" if within else "before the edge was within the resolution"))
+            search.notes.append(RunNote(f"stopped at max_probes={max_probes} " + (
+                "before the probe past the edge" if within else "before the edge was within the resolution")))
     if search.largest is not None and not search.failed and search.largest < search.high and not search.interrupted:
-        search.notes.append("no probe ran out of memory")
+        search.notes.append(RunNote("no probe ran out of memory"))
     if past and any(p.batch == past[0] for p in search.fitted):
-        search.notes.append(f"the probe past the edge ({past[0]:,}) trained: fitting is not monotone here; above it "
-                            "was not searched, and the recommended batch stays below every failure")
+        search.notes.append(RunNote(f"the probe past the edge ({past[0]:,}) trained: fitting is not monotone here; above "
+                                    "it was not searched, and the recommended batch stays below every failure"))
     bar.done(search)
     return search
 
@@ -442,7 +362,7 @@ def _new_search(build_model, make_batch, setup, env, *, low, high, steps, max_pr
         raise ArgumentError(f"max_batch_size: build_model and make_batch cannot be sent to a fresh process "
                             f"({type(exc).__name__}: {first_line(exc)}); define them at the top level of a cell "
                             "or a module.") from None
-    search = BatchSearch([], low, high, steps, margin, resolution, where=_where(setup),
+    search = BatchSearch([], low, high, steps, margin, resolution, where=where_words(setup),
                          lab=bool((setup or {}).get("lab_mb")), _run=(functions, setup, env, timeout))
     return search, max_probes
 
@@ -480,7 +400,7 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
         search.interrupted = True
         if settling:
             rec = search.recommended
-            search.notes.append("interrupted while probing for the margin, after the edge was known: "
-                                + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
-                                   if rec is not None else "no batch is recommended"))
+            search.notes.append(RunNote("interrupted while probing for the margin, after the edge was known: "
+                                        + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
+                                           if rec is not None else "no batch is recommended")))
     return batch

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import TfmemError
+from ..text import RunNote
 from ..units import format_bytes
 
 GROWTH = 16  # the most a probe grows the batch before a failure is seen
@@ -47,7 +48,7 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
         else:
             break
         if len(search.probes) >= max_probes:
-            search.notes.append(f"{what} was not probed: max_probes={max_probes} reached")
+            search.notes.append(RunNote(f"{what} was not probed: max_probes={max_probes} reached"))
             break
         # a process waits for the next probe only where one may follow (after the batch again, where it failed)
         ahead = aim != batch and left > 1 and len(search.probes) + 1 < max_probes
@@ -55,34 +56,34 @@ def settle_recommended(search, probe_one, bar, max_probes: int) -> None:
         try:
             done = probe_one(aim, ahead=ahead)
         except TfmemError as exc:  # (a probe's own failure: the search's edge stands)
-            search.notes.append(f"the margin's probes stopped: {exc}")
+            search.notes.append(RunNote(f"the margin's probes stopped: {exc}"))
             break
         search.margin_probes += 1
         bar.probed(len(search.probes), done)
         if aim != batch:
-            search.notes.append(f"batch {aim:,} was probed for the {search.margin:.0%} margin: {why}")
+            search.notes.append(RunNote(f"batch {aim:,} was probed for the {search.margin:.0%} margin: {why}"))
             if search.recommended == aim:
                 aimed = MARGIN_AIMS  # it stands: probed again next, no aim after it
             continue
         if search.recommended == batch:
             break  # its peaks left the margin free in two processes
         aimed = min(aimed, MARGIN_AIMS - 1)  # it did not hold: an aim below it, where one is left
-        search.notes.append(f"batch {batch:,}, recommended by its first probe, "
-                            + (f"peaked at {format_bytes(done.peak_bytes)} in a second fresh process, over "
-                               f"{1 - search.margin:.0%} of the limit" if done.fits else
-                               "ran out of memory in a second fresh process")
-                            + ": a step's peak differs between processes")
+        search.notes.append(RunNote(f"batch {batch:,}, recommended by its first probe, "
+                                    + (f"peaked at {format_bytes(done.peak_bytes)} in a second fresh process, over "
+                                       f"{1 - search.margin:.0%} of the limit" if done.fits else
+                                       "ran out of memory in a second fresh process")
+                                    + ": a step's peak differs between processes"))
     rec = search.recommended
     if rec is not None and search.trained_at(rec) < 2:
-        search.notes.append(f"the recommended batch {rec:,} was measured by one probe only")
+        search.notes.append(RunNote(f"the recommended batch {rec:,} was measured by one probe only"))
     alike = chunk_bound_peaks(search)
     if alike is not None:
         a, b, peak = alike
-        search.notes.append(f"batches {a:,} and {b:,} peaked alike, at {format_bytes(peak)}: a step's buffer took a "
-                            "free chunk whole in both (the allocator splits a chunk only where it is twice the request "
-                            "or 128 MiB larger), so near the edge a peak counts the chunk, not the step; the line "
-                            "through such peaks aimed nothing, and the recommended batch is one whose own peaks left "
-                            "the margin free")
+        search.notes.append(RunNote(f"batches {a:,} and {b:,} peaked alike, at {format_bytes(peak)}: a step's buffer "
+                                    "took a free chunk whole in both (the allocator splits a chunk only where it is "
+                                    "twice the request or 128 MiB larger), so near the edge a peak counts the chunk, "
+                                    "not the step; the line through such peaks aimed nothing, and the recommended "
+                                    "batch is one whose own peaks left the margin free"))
 
 
 def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:

@@ -7,7 +7,8 @@ from ..units import MiB, format_bytes
 
 def plot_search(search, ax=None, pick: int | None = None):
     """`BatchSearch.plot`: the batches that trained, the failures (at the limit, red x), the limit, the
-    line through the peaks, and, with `pick`, the limit that batch needs."""
+    line through the peaks, and, with `pick`, the limit that batch needs (its measured peak where a probe
+    trained at it)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -27,9 +28,11 @@ def plot_search(search, ax=None, pick: int | None = None):
     if model is not None:
         ax.plot([0, right], [model[0] / MiB, (model[0] + model[1] * right) / MiB], "--", color="#888",
                 linewidth=1, label="peak = fixed + per example x batch")
-    if pick is not None and model is not None:
-        need = search.needs_bytes(pick)
-        ax.plot([pick], [need / MiB], "s", color="#ff7f0e", label=f"batch {pick:,} needs {format_bytes(need)}")
+    measured = None if pick is None else search.measured_peak(pick)
+    if pick is not None and (model is not None or measured is not None):
+        need = measured if measured is not None else search.needs_bytes(pick)  # (a probe search plans for it once)
+        ax.plot([pick], [need / MiB], "s", color="#ff7f0e", label=f"batch {pick:,} needs {format_bytes(need)}"
+                + (" (measured)" if measured is not None else ""))
     ax.set_xlabel("batch (examples)")
     ax.set_ylabel("MiB")
     ax.set_title(f"largest batch that trained: {search.largest:,}" if search.largest else

@@ -119,10 +119,6 @@ def _step_of(search, batch: int) -> int:
 def _plans(search, probe_one, progress, auto: bool):
     """The plans, made in one fresh process, kept on the search before any probe is read (a Ctrl-C there
     keeps them): (the PlanSearch or None, the pair begun while a closing plan compiled or None)."""
-    from ..errors import FreshRunError
-    from ..fresh.run import run_checked
-
-    _, setup, env, timeout = search._run
     started = time.perf_counter()
     pair = getattr(probe_one, "pair", None)  # the answer and the batch past it probed side by side
     begin_pair = getattr(probe_one, "begin_pair", None)  # the same, begun now, read later
@@ -143,17 +139,9 @@ def _plans(search, probe_one, progress, auto: bool):
         if read is not None:
             _show_probing(search, progress, batches)
 
-    code = PLAN_CODE.format(path=str(probe_one.path), low=search.low, high=search.high,
-                            resolution=search.resolution, max_plans=14, xla_only=auto, closing_plan=pair is None,
-                            closing_aim=None if begin_pair is None else str(aim_file))
-    found = None
-    try:
-        found = run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
-                            remember_oom=False, each_tick=closing_begun).values["found"]
-    except FreshRunError as exc:
-        said = first_line(exc).partition("; ")[2].rstrip(".")  # what it last wrote, or what its death means
-        search.notes.append(f"the plans could not be made (the process {exc.how}{'; ' + said if said else ''}): "
-                            + ("the probes begun meanwhile decide" if early and early[2] else "probes only"))
+    found = _run_plans(search, probe_one.path, xla_only=auto, closing_plan=pair is None,
+                       closing_aim=None if begin_pair is None else str(aim_file), each_tick=closing_begun,
+                       then=lambda: "the probes begun meanwhile decide" if early and early[2] else "probes only")
     search.plan_seconds = time.perf_counter() - started
     if early is not None:  # how long the pair ran beside the plans, at most
         batches, began, read = early
@@ -166,11 +154,69 @@ def _plans(search, probe_one, progress, auto: bool):
                                 "step under XLA, an estimate; the probes decide")
             if auto:
                 return found, None
-        search.plans, search.data_share = found.plans, found.data_share
-        search.notes.extend(found.notes)
+            search.plans_estimate = True
+        _keep(search, found)
         search.plan_answer = found.batch
         search.planned_failure = found.aborts_from  # a graph step that aborts there: no batch from it is the answer
     return found, early
+
+
+def _run_plans(search, path, *, xla_only: bool, closing_plan: bool, closing_aim: str | None,
+               each_tick=None, then=lambda: "probes only"):
+    """The PlanSearch of one fresh process set up like the search's probes (None, and a note that says
+    why, where the process failed; then(): what the search goes on with)."""
+    from ..errors import FreshRunError
+    from ..fresh.run import run_checked
+
+    _, setup, env, timeout = search._run
+    code = PLAN_CODE.format(path=str(path), low=search.low, high=search.high, resolution=search.resolution,
+                            max_plans=14, xla_only=xla_only, closing_plan=closing_plan, closing_aim=closing_aim)
+    try:
+        return run_checked(code, setup=setup, env=env, returns=["found"], timeout=timeout, echo=False,
+                           remember_oom=False, each_tick=each_tick).values["found"]
+    except FreshRunError as exc:
+        said = first_line(exc).partition("; ")[2].rstrip(".")  # what it last wrote, or what its death means
+        search.notes.append(f"the plans could not be made (the process {exc.how}{'; ' + said if said else ''}): "
+                            + then())
+        return None
+
+
+def _keep(search, found) -> None:
+    search.plans, search.data_share = found.plans, found.data_share
+    search.notes.extend(found.notes)
+
+
+def plans_after(search) -> None:
+    """A probe search's plans, made once it is asked what fits away from its own limit: the plan search's
+    process (one fresh process set up like the probes, the plans closing in on the edge at the search's
+    limit), so that its answers elsewhere come from plans placed in a fresh pool under that limit
+    (search/by_plans.py), not from a line through the peaks at its edge. Made once; where they cannot be
+    made, a note says why and the line answers."""
+    import shutil
+    import tempfile
+
+    search.plans_tried = True
+    if search._run is None or search.plans:
+        return
+    functions = search._run[0]
+    work = Path(tempfile.mkdtemp(prefix="tfmem-batch-"))
+    started = time.perf_counter()
+    print("tfmem: planning the step in one fresh process, for what fits away from the search's limit ...",
+          flush=True)
+    try:
+        (work / "functions.pickle").write_bytes(functions)
+        found = _run_plans(search, work / "functions.pickle", xla_only=False, closing_plan=True, closing_aim=None,
+                           then=lambda: "other limits are read off the line through the peaks")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    search.plans_after_seconds = time.perf_counter() - started
+    if found is None:
+        return
+    if found.jit_compile is not True:
+        search.notes.append("the model's step runs without XLA (jit_compile=False): the plans that answer away from "
+                            "the search's limit are of the same step under XLA, an estimate")
+        search.plans_estimate = True
+    _keep(search, found)
 
 
 def _after_early_pair(search, early, progress, probe, max_probes: int) -> str:

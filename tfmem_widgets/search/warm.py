@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from ..fresh.transport import tell_batch
+from ..text import RunNote
 from ..units import format_bytes
 from .probe import Probe, probe_outcome, ran_past
 
@@ -292,7 +293,8 @@ def probing(search, pairs: bool = False):
             def both() -> list[Probe]:
                 probes = read(each=taken)
                 search.overlap_seconds += min(probe.seconds for probe in probes)  # counted twice in the probes' sum
-                search.notes.append(f"batches {first:,} and {second:,} were probed side by side: two processes, {how}")
+                search.notes.append(RunNote(f"batches {first:,} and {second:,} were probed side by side: two processes, "
+                                            f"{how}"))
                 return probes
 
             return both

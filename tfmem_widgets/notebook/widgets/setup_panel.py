@@ -52,6 +52,7 @@ class SetupPanel(FullTextForm, w.VBox):
         self._limit_row = w.HBox([self.use_limit, self.limit])
         self._lab_row = w.HBox([self.lab, self.lab_mb])
         self._search = None
+        self._search_batch = None
         self._layout()
         self._connect()
         self._changed()
@@ -163,7 +164,8 @@ class SetupPanel(FullTextForm, w.VBox):
         self._search = search
         if search is not None:
             start = search.recommended or search.largest or search.low
-            self.batch.value = max(1, int(start))
+            self._search_batch = max(1, int(start))  # the search's batch, until another is typed in
+            self.batch.value = self._search_batch
         self._layout()
         self._fits_changed()
 
@@ -177,7 +179,7 @@ class SetupPanel(FullTextForm, w.VBox):
 
     def needed_limit_mb(self) -> int | None:
         """The limit (MB) the batch in the `batch` box needs with its margin: by its measured peak where
-        a probe trained at it, else by the search's line."""
+        a probe trained at it, else by the search's plans or its line."""
         need = None if self._search is None else self._search.limit_needed_bytes(self.batch.value)
         return None if need is None else -(-need // MiB)  # whole MB
 
@@ -194,69 +196,91 @@ class SetupPanel(FullTextForm, w.VBox):
             self.limit.value = min(self.limit.max, max(self.limit.min, needed))
 
     def _fits_changed(self, change=None) -> None:
+        """What fits at the chosen limit and what the batch in the box needs. A lab search's figures vary with
+        the CPU (its probes' Keras steps): each is marked " (this CPU)", and the line on fitting that was not
+        monotone is said in every run, with its count (search/search_text.py says why)."""
         search = self._search
         if search is None:
             return
-        from ...units import format_bytes
+        from ...text import marked
+
+        def m(figure) -> str:
+            return marked(figure if isinstance(figure, str) else f"{figure:,}", search.lab)
 
         limit = self.chosen_limit_bytes()
-        model = search.peak_model()
-        lines = []
         kind = "lab limit" if self._reads_lab() else "GPU limit"
-        if model is None and not search.plans:
-            lines.append(search.no_line_reason())
-        else:
-            batch = search.batch_for(limit)
-            how = ("measured: the largest below every failure" if limit == search.limit_bytes else
-                   "by the search's plans, each placed in a fresh pool under this limit, bounded by the batches "
-                   "measured" if search.plans else
-                   f"the line through the search's peaks, {format_bytes(max(0, int(model[0])))} + "
-                   f"{format_bytes(int(model[1]))} per example, bounded by the batches measured: an estimate, as the "
-                   "pool's regions under another limit are not the probes'")
-            text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
-                    f"data-batch='{batch}'>{batch:,}</b> ({how})")
-            if search.margin:
-                kept, measured_kept = search.within_margin(limit)
-                if kept is None:
-                    text += (f"; no batch measured left a margin of {search.margin:.0%} free, the margin below every "
-                             "failure")
-                else:
-                    text += (f"; {kept:,} with a margin of {search.margin:.0%} ("
-                             + ("measured: its peaks left the margin free, the margin below every failure" if measured_kept
-                                else "by the plans" if search.plans else "by the line") + ")")
-            lines.append(text + ".")
-            largest = search.edge[0]
-            measured = None if largest is None else search.measured_peak(largest)  # (the highest of its probes)
-            if search.limit_bytes and measured is not None:
-                spare = limit - measured
-                lines.append(f"Measured: {largest:,} trained under {format_bytes(search.limit_bytes)} with a peak of "
-                             f"{format_bytes(measured)}; at this limit that leaves "
-                             f"{format_bytes(spare, signed=True)} ({spare / limit:+.0%} of the limit).")
-            if search.limit_bytes and limit > search.limit_bytes:
-                lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the "
-                             + ("plans are" if search.plans else "line is") + " extrapolated; search again at this "
-                             "limit to measure.")
-            if search.not_monotone:
-                lines.append("Near the edge fitting was not monotone: keep a margin.")
+        if search.will_plan(limit):  # a probe search plans once, in a fresh process: said while it does
+            self.fits.value = ("Planning the model's step in one fresh process, to read what fits away from the "
+                               "search's limit ...")
+        lines = self._fits_lines(search, limit, kind, m)
         if search.lab and self.state.gpus:
             lines.append("The search ran in lab mode (CPU kernels): a GPU's workspaces differ.")
         elif not search.lab and not self.state.gpus:
             lines.append("The search ran on a GPU; lab mode's CPU kernels need other figures.")
         self.fits.value = "<br>".join(lines)
-        need = search.needs_bytes(self.batch.value)
+        peak = search.measured_peak(self.batch.value)  # measured, else by the plans (made once) or the line
+        need = peak if peak is not None else search.needs_bytes(self.batch.value)
         needed = self.needed_limit_mb()
         if needed is None:
             self.needs.value = ""
             self.use_needed.disabled = True
         else:
-            peak = search.measured_peak(self.batch.value)
-            need = peak if peak is not None else need
-            self.needs.value = (f"A batch of {self.batch.value:,} needs {'' if peak else 'about '}{format_bytes(need)}"
+            from ...units import format_bytes
+
+            batch = m(self.batch.value) if self.batch.value == self._search_batch else f"{self.batch.value:,}"
+            self.needs.value = (f"A batch of {batch} needs {'' if peak else 'about '}{m(format_bytes(need))}"
                                 f"{' (measured)' if peak else ''}: a {kind} of at "
                                 f"least <b class='tfmem-needed-mb' data-mb='{needed}'>{needed:,} MB</b>"
+                                + (" (this CPU)" if search.lab else "")
                                 + (f" (with the margin of {search.margin:.0%})" if search.margin else "") + ".")
             self.use_needed.disabled = False
         self.picture.value = self._plot_png(limit)
+
+    @staticmethod
+    def _fits_lines(search, limit: int, kind: str, m) -> list[str]:
+        """The panel's lines on what fits at `limit` (m: a figure, marked where the search's vary)."""
+        from ...units import format_bytes
+
+        batch = search.batch_for(limit)  # a probe search asked away from its edge plans first
+        model = search.peak_model()
+        if batch is None or (model is None and not search.plans and limit != search.limit_bytes):
+            return [search.no_line_reason() or "The search measured no batch to read this limit from."]
+        how = ("measured: the largest below every failure" if limit == search.limit_bytes and search.edge[1] else
+               "by the search's plans, each placed in a fresh pool under this limit, bounded by the batches "
+               "measured" + (" (plans of the step under XLA, which the model's step runs without: an estimate)"
+                             if search.plans_estimate else "") if search.plans else
+               f"the line through the search's peaks, {m(format_bytes(max(0, int(model[0]))))} + "
+               f"{m(format_bytes(int(model[1])))} per example, bounded by the batches measured: an estimate, as the "
+               "pool's regions under another limit are not the probes'")
+        text = (f"At a {kind} of {limit // MiB:,} MB the largest batch is about <b class='tfmem-fits-batch' "
+                f"data-batch='{batch}'>{batch:,}</b>{' (this CPU)' if search.lab else ''} ({how})")
+        if search.margin:
+            kept, measured_kept = search.within_margin(limit)
+            if kept is None:
+                text += (f"; no batch measured left a margin of {search.margin:.0%} free, the margin below every "
+                         "failure")
+            else:
+                text += (f"; {m(kept)} with a margin of {search.margin:.0%} ("
+                         + ("measured: its peaks left the margin free, the margin below every failure" if measured_kept
+                            else "by the plans" if search.plans else "by the line") + ")")
+        lines = [text + "."]
+        largest = search.edge[0]
+        measured = None if largest is None else search.measured_peak(largest)  # (the highest of its probes)
+        if search.limit_bytes and measured is not None:
+            spare = limit - measured
+            lines.append(f"Measured: {m(largest)} trained under {format_bytes(search.limit_bytes)} with a peak of "
+                         f"{m(format_bytes(measured))}; at this limit that leaves "
+                         f"{m(format_bytes(spare, signed=True))} ({m(f'{spare / limit:+.0%}')} of the limit).")
+        if search.limit_bytes and limit > search.limit_bytes:
+            lines.append(f"Above the limit the probes ran under ({format_bytes(search.limit_bytes)}): the "
+                         + ("plans are" if search.plans else "line is") + " extrapolated; search again at this "
+                         "limit to measure.")
+        if search.lab:  # whether a lab search's fitting was monotone varies by run: said in every run
+            lines.append(f"Batches that ran out of memory although the same batch (in another process) or a larger "
+                         f"one trained: {m(len(search.not_monotone))}: near the edge keep a margin.")
+        elif search.not_monotone:
+            lines.append("Near the edge fitting was not monotone: keep a margin.")
+        return lines
 
     def _plot_png(self, limit: int) -> bytes:
         """The search's plot, the chosen batch and the chosen limit, as PNG bytes (no pyplot state)."""

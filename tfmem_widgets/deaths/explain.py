@@ -153,8 +153,9 @@ def explain_death(returncode_signal: int | None, fd2_text: str, stacks: str = ""
         cause, meaning = "xla-oom-lab", (
             f"it died after an OOM in lab mode{which}: an XLA program's OOM in lab mode leaves "
             "TensorFlow's CPU allocator broken, and the process aborts or faults when it next frees or runs a step "
-            "(on a GPU the same OOM only raises). Restart, then lower the batch, raise the lab limit, or run such "
-            "steps in a fresh process (%%tfmem fresh, tfmem_widgets.max_batch_size), where a death costs nothing")
+            "(on a GPU too: the OOM raises first, then the process aborts as it frees the program's buffers). "
+            "Restart, then lower the batch, raise the lab limit, or run such steps in a fresh process "
+            "(%%tfmem fresh, tfmem_widgets.max_batch_size), where a death costs nothing")
     return Death(signal_name(number), words, cause, meaning, stacks, pid, cell, cell_source, elements, batch, under)
 
 
@@ -178,8 +179,8 @@ def _meaning(number, words, lab_mb, oom_killed, host, elements, batch, under) ->
                         "compile with jit_compile=True (XLA indexes with 64 bits where a tensor needs it)")
     if "bfc_allocator" in words and "kInvalidChunkHandle" in words:
         return "xla-oom-lab", ("an XLA program ran out of memory in lab mode and TensorFlow aborted while it freed the "
-                               "program's buffers (on a GPU the same OOM raises ResourceExhaustedError): lower the "
-                               "batch or raise the lab limit, and run such steps in a fresh process (%%tfmem fresh, "
+                               "program's buffers (on a GPU too: ResourceExhaustedError first, then the same abort): "
+                               "lower the batch or raise the lab limit, and run such steps in a fresh process (%%tfmem fresh, "
                                "tfmem_widgets.max_batch_size), where a death costs nothing")
     if any(word in words for word in _CUDA_WORDS):
         return "cuda", ("a CUDA error ended it (its words above): after an illegal address or a failed launch the "

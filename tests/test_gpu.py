@@ -556,6 +556,59 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
 
 
+def _trains_under_a_limit(batch: int, limit_mb: int, env: dict) -> bool:
+    """The search's model fitted as its probes fit it, in a fresh process under a logical device limit."""
+    from tfmem_widgets.errors import FreshRunError
+    from tfmem_widgets.fresh.run import check_request, run_checked
+
+    code = PROBE_DATA_MODEL + f"model.fit(probe_dataset(make_batch({batch}), 2), epochs=1, verbose=0)"
+    try:
+        run_checked(code, setup=check_request({"limit_mb": limit_mb}, None), env=env, echo=False, remember_oom=False)
+        return True
+    except FreshRunError:
+        return False
+
+
+def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_trains_on_the_gpu():
+    # Issue 43 fault 6 on a GPU: a probe search under a 1000 MB logical device, asked what fits under 500 MB,
+    # plans the step once in one fresh process and places the plans in a fresh pool under that limit (the
+    # fit's data on the device beside them, measured): that batch trains under a 500 MB limit, a fifth more not.
+    import tfmem_widgets
+
+    setup, env = {"limit_mb": 1000}, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
+    search = tfmem_widgets.max_batch_size(*search_functions(jit=True), setup=setup, env=env, high=262144,
+                                          method="probe", progress=False, resolution=0.1)
+    assert search.edge[1] is not None and not search.plans
+    half = search.batch_for(500 * MiB)
+    print(repr(search), half)
+    assert search.plans and search.plans_after_seconds > 0 and 0 < half < search.edge[0]
+    assert [_trains_under_a_limit(n, 500, env) for n in (half, half * 6 // 5)] == [True, False], half
+
+
+def test_a_gpu_plan_draws_its_program_and_its_live_buffers_add_up_to_the_anatomy():
+    # StepPlan.plot on XLA's GPU heap trace (Keras' default compile, the autotuner on): at the peak the live
+    # buffers are the anatomy's bytes less the step's outputs, to the byte, within the temporaries' allocation.
+    out = fresh("tfmem_widgets.setup(growth=True)\n" + PROBE_DATA_MODEL + textwrap.dedent("""
+        import matplotlib
+        matplotlib.use("Agg")
+        planned = tfmem_widgets.plan(model, make_batch(8), 32768)
+        line = planned.timeline
+        at = line.moments.index(line.peak_moment)
+        ax = planned.plot()
+        ax.figure.savefig(os.path.join(os.environ.get("OUT") or "/tmp", "gpu_plan_program.png"), dpi=90,
+                          bbox_inches="tight")
+        print(json.dumps({"peak": line.peak_bytes, "allocation": line.allocation_bytes, "events": line.events,
+                          "at_peak": dict((k, v[at]) for k, v in line.series), "allocations": list(planned.step_allocations),
+                          "layers": dict(planned.layers.items()), "device": planned.device,
+                          "legend": [t.get_text() for t in ax.get_legend().get_texts()]}))
+        """))
+    print(out)
+    assert out["device"] == "GPU:0" and out["allocation"] in out["allocations"]
+    assert 0 < out["peak"] <= out["allocation"] and sum(out["at_peak"].values()) == out["peak"]
+    assert sum(out["layers"].values()) == out["peak"] + sum(out["allocations"]) - out["allocation"]
+    assert any(text.startswith("peak of the live buffers") for text in out["legend"])
+
+
 ATTENTION_AT = "import json\n" + gpu_experiments.ATTENTION_MODEL.replace("JIT", "False")  # op by op
 
 

@@ -165,7 +165,9 @@ print(json.dumps({"raised": type(result.error_in_exec).__name__, "keys": list(la
                   "in_use": r.in_use_bytes, "verdict": r.verdict, "shown": shown.getvalue(),
                   "need": need and {"batch": need.batch_size, "peak": need.peak_bytes, "fits": need.fits_batch,
                                     "fails": need.fails_batch, "estimate": need.estimate, "limit": need.limit_bytes,
-                                    "plans": need.plans, "source": need.source}, "fixes": r.fixes(),
+                                    "plans": need.plans, "source": need.source,
+                                    "drawn": need.plan is not None and need.plan.batch_size == need.batch_size
+                                    and need.plan.timeline is not None}, "fixes": r.fixes(),
                   "said": said.getvalue()}))
 """
 
@@ -252,6 +254,8 @@ def test_a_keras_fit_oom_says_what_the_step_needs_and_the_most_that_can_fit(kera
     assert need["fits"] is not None and need["fits"] < need["fails"] <= 4096 and need["plans"] >= 3
     assert need["fails"] - need["fits"] <= max(1, math.ceil(0.02 * need["fits"]))   # to the search's resolution
     assert f"what fits: at most batch {need['fits']:,}" in out["shown"]
+    # the plan at the fit's batch is kept: its program drawn (StepPlan.plot), as the report's line says
+    assert need["drawn"] and "tfmem_widgets.last_oom().need.plan.plot() draws its program" in out["shown"]
     assert any(f.startswith(f"a smaller batch: at most {need['fits']:,}") for f in out["fixes"])
     assert not any("less at this step" in f for f in out["fixes"])
     # An upper bound, and here an estimate: the graph step runs other kernels than XLA's program (its

@@ -53,6 +53,16 @@ keras.utils.set_random_seed(0)
 model, sample, batches = {shape}()
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
 rows = []
+
+def drawn(planned):
+    import matplotlib
+    matplotlib.use("Agg")
+    line = planned.timeline
+    at = line.moments.index(line.peak_moment)
+    ax = planned.plot()
+    return dict(peak=line.peak_bytes, allocation=line.allocation_bytes, at_peak=dict((k, v[at]) for k, v in line.series),
+                legend=[t.get_text() for t in ax.get_legend().get_texts()], title=ax.get_title())
+
 first = tfmem_widgets.plan(model, sample, 8)         # builds what fit builds first (the optimizer's slots)
 from tfmem_widgets.plans.scaled import planned_by_shapes
 shaped = tfmem_widgets.plan(model, sample, 509)     # the search's first plan, a prime: its axis told from the widths
@@ -72,7 +82,8 @@ for batch in batches:
                      held=after["current"] - before, rose=after["peak"] - before, layers=dict(planned.layers.items()),
                      unattributed=planned.layers.unattributed_bytes, text=repr(planned), fits=planned.fits(),
                      peak=planned.peak_bytes, limit=planned.limit_bytes, estimate=planned.estimate,
-                     by_shapes=planned_by_shapes(shaped, batch).step_bytes))
+                     by_shapes=planned_by_shapes(shaped, batch).step_bytes, allocations=list(planned.step_allocations),
+                     timeline=drawn(planned)))
     del x, y
 print(json.dumps(dict(rows=rows, built=list(first.built), resident=first.resident_bytes,
                       weights=sum(v.numpy().nbytes for v in model.trainable_variables))))
@@ -91,6 +102,23 @@ def test_each_measured_step_lies_between_the_plan_and_the_worst_take(measured):
         # (a free chunk to split) up to the worst take, never outside.
         assert row["plan"] <= row["measured"] <= row["worst"], (shape, row["batch"])
         assert row["worst"] < 2 * row["plan"]
+
+
+def test_the_plan_draws_the_programs_buffers_by_layer_and_phase_and_they_add_up_to_the_anatomy(measured):
+    # StepPlan.plot draws XLA's heap trace: the live buffers of the temporary allocation at each point of the
+    # program, by Keras layer and phase. At its peak they are the anatomy's bytes less the step's outputs (each
+    # an allocation of its own), to the byte; they never exceed the allocation they are placed in.
+    shape, out = measured
+    expected = {"dense": "dense_model/dense", "attention": "mha", "conv": "conv_model/conv1"}[shape]
+    for row in out["rows"]:
+        line = row["timeline"]
+        assert line["allocation"] in row["allocations"] and 0 < line["peak"] <= line["allocation"], (shape, line)
+        assert sum(line["at_peak"].values()) == line["peak"]
+        outputs = sum(row["allocations"]) - line["allocation"]
+        assert sum(row["layers"].values()) == line["peak"] + outputs, (shape, row["batch"])
+        assert any(key.startswith(expected) for key in line["at_peak"]), line["at_peak"]
+        assert any(text.startswith("peak of the live buffers") for text in line["legend"])
+        assert any(text.startswith("limit 1.00 GiB") for text in line["legend"]) and f"{row['batch']:,}" in line["title"]
 
 
 def test_with_room_in_the_pool_the_step_is_the_plan_to_the_byte():

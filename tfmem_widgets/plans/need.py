@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
 from ..readings.fit_context import FitContext
@@ -56,6 +56,7 @@ class StepNeed:
     least_limit_bytes: int | None = None  # the least limit the step fits at its batch, with the fit's data and
     # its buffers placed as the allocator places them (StepPlan.least_limit_bytes); None: not planned
     phase: str = "train"  # "validation": the OOM came in the fit's validation, whose step is not planned
+    plan: object | None = field(default=None, repr=False, compare=False)  # the StepPlan at the fit's batch (its plot)
 
     @classmethod
     def of_validation(cls, batch_size: int, data_bytes: int) -> StepNeed:
@@ -80,7 +81,9 @@ class StepNeed:
             parts = (f"; resident {format_bytes(self.resident_bytes)}" if self.resident_bytes is not None else "")
             least = "at least " if self.source == "xla request" else ""
             out.append(f"the step: at batch {self.batch_size:,} it needs {least}{m(format_bytes(self.peak_bytes))} at "
-                       f"its peak ({how}{parts}) against the {limit_text} limit")
+                       f"its peak ({how}{parts}) against the {limit_text} limit"
+                       + ("; tfmem_widgets.last_oom().need.plan.plot() draws its program" if self.plan is not None
+                          else ""))
         if self.fits_batch is not None:
             above = f"; {m(f'{self.fails_batch:,}')} does not" if self.fails_batch is not None else ""
             out.append(f"what fits: at most batch {m(f'{self.fits_batch:,}')}, where the planned step, with the fit's "
@@ -192,7 +195,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
         return StepNeed(fit.batch_size, note=f"the step could not be planned: {str(exc).removeprefix('plan: ')}")
     limit = failing.limit_bytes if limit_bytes is None else limit_bytes
     if limit is None:
-        return StepNeed(fit.batch_size, failing.peak_bytes, failing.resident_bytes, plans=1,
+        return StepNeed(fit.batch_size, failing.peak_bytes, failing.resident_bytes, plans=1, plan=failing,
                         seconds=time.perf_counter() - started, estimate=failing.estimate,
                         note="the device's limit is not known: no batch can be said to fit")
     left = max(0.0, seconds - (time.perf_counter() - started))
@@ -221,5 +224,5 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     least = failing.least_limit_bytes(held(failing), regions=False if failing.estimate else None)
     return StepNeed(fit.batch_size, failing.peak_bytes, failing.resident_bytes, limit, found.batch, found.failure,
                     plans=len(found.plans), seconds=time.perf_counter() - started, estimate=failing.estimate,
-                    note=note, least_limit_bytes=least)
+                    note=note, least_limit_bytes=least, plan=failing)
 

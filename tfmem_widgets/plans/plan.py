@@ -78,6 +78,8 @@ class StepPlan(LinesText):
     # the step's largest tensors as its graph makes them (plans/aborts.py): where its ops run as TensorFlow's own
     # kernels (jit_compile=False), one of 2^31 elements or more aborts the process on a GPU
     big_tensors: tuple = ()
+    # the temporaries' live bytes over the program, by Keras layer and phase (plans/timeline.py): what plot() draws
+    timeline: object | None = None
 
     @property
     def same_program_anywhere(self) -> bool:
@@ -291,10 +293,13 @@ class StepPlan(LinesText):
         return out
 
     def plot(self, ax=None, limit_bytes: int | None = None, top: int = 8):
-        """The step's peak against the limit (resident, batch, step, and the worst take), and the
-        step's largest owners by layer (views/plans.py)."""
-        from ..views.plans import plot_step_plan
+        """The program's buffers over the program from XLA's heap trace, by Keras layer and phase, the peak
+        and the limit marked; without a trace, the step's peak against the limit (resident, batch, step, the
+        worst take) and its `top` owners by layer (views/plans.py)."""
+        from ..views.plans import plot_program, plot_step_plan
 
+        if self.timeline is not None:
+            return plot_program(self, ax, limit_bytes)
         return plot_step_plan(self, ax, limit_bytes, top)
 
 
@@ -401,6 +406,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
     from ..tf.devices import resolve_device
     from ..tf.limits import allocator_growth, limit_of
     from .owners import Owners, parameter_owners
+    from .timeline import timeline_of
 
     batch_size = check_sample(model, sample, batch_size, build)
     specs = batch_specs(sample, batch_size)
@@ -437,6 +443,8 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
         if allocation.kind == hlo.TEMP:
             remember_program(allocation.size, own)  # a trace of this program reads its buffer by it
     step = sum(rounded(a.size) for a in per_run)
+    temp = next((a for a in per_run if a.kind == hlo.TEMP), None)
+    timeline = None if temp is None else timeline_of(proto, temp, index, owners)
     # The model's state in the order fit makes it (weights, then the optimizer's slots), one size each:
     # the resident figures and the pool a fresh process has made before the step.
     state = {"weights": model.trainable_variables, "non-trainable": model.non_trainable_variables,
@@ -457,7 +465,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
         autotuning=autotuning, trace_seconds=trace_s, compile_seconds=compile_s, limit_bytes=limit.bytes,
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
-        weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big)
+        weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big, timeline=timeline)
 
 
 def graph_abort_risks(model, sample, batch_size: int) -> tuple[list, int | None]:

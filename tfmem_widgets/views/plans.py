@@ -1,4 +1,4 @@
-"""A step's plan drawn: its peak against the limit, and its largest owners by layer."""
+"""A step's plan drawn: its program's buffers over the program, or its peak against the limit by owner."""
 
 from __future__ import annotations
 
@@ -32,4 +32,55 @@ def plot_step_plan(plan, ax=None, limit_bytes: int | None = None, top: int = 8):
     ax.set_xlabel("MiB")
     ax.set_title(f"train step at batch {plan.batch_size:,}" + (" (estimate)" if plan.estimate else ""))
     ax.legend(loc="lower right", fontsize=7)
+    return ax
+
+
+def plot_program(planned, ax=None, limit_bytes: int | None = None):
+    """The step's program drawn from its plan's Timeline (plans/timeline.py), as XProf's memory viewer draws a
+    program: the live buffers stacked over the program by Keras layer and phase, on top of what a run holds
+    throughout (the model's variables, the batch, the step's outputs), the temporary allocation's whole size
+    (taken at the run's start), the peak of the live buffers and the limit marked. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    line = planned.timeline
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4.2))
+    outputs = planned.step_bytes - (line.allocation_bytes if line is not None else 0)
+    base = [("the model's variables (resident)", planned.resident_bytes, "#9e9e9e"),
+            ("the batch", planned.batch_bytes, "#bdbdbd"), ("the step's outputs", max(0, outputs), "#e0e0e0")]
+    under = sum(n for _, n, _ in base)
+    right = line.events if line is not None else 1
+    bottom = 0
+    for label, n, colour in base:
+        if n > 0:
+            ax.fill_between([0, right], bottom / MiB, (bottom + n) / MiB, color=colour, step="post",
+                            label=f"{label}: {format_bytes(n)}")
+            bottom += n
+    if line is not None:
+        xs = list(line.moments)
+        level = [under] * len(xs)
+        for key, values in line.series:
+            top = [a + b for a, b in zip(level, values)]
+            ax.fill_between(xs, [v / MiB for v in level], [v / MiB for v in top], step="post", label=key,
+                            linewidth=0)
+            level = top
+        whole = under + line.allocation_bytes
+        ax.axhline(whole / MiB, color="#555", linestyle="--", linewidth=1,
+                   label=f"taken for the run: the temporaries' one allocation, {format_bytes(line.allocation_bytes)}")
+        peak = under + line.peak_bytes
+        ax.plot([line.peak_moment], [peak / MiB], "v", color="black", markersize=8,
+                label=f"peak of the live buffers: {format_bytes(peak)}")
+        ax.set_xlim(0, right)
+        ax.set_xlabel("the program, in XLA's order (the heap simulator's events)")
+    limit = limit_bytes if limit_bytes is not None else planned.limit_bytes
+    highest = under + (line.allocation_bytes if line is not None else 0)
+    if limit and limit <= 2 * highest:
+        ax.axhline(limit / MiB, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(limit)}")
+    elif limit:  # far above: drawn, the program would be a sliver at the bottom
+        ax.plot([], [], " ", label=f"limit {format_bytes(limit)}, above this picture")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"The train step at batch {planned.batch_size:,}, by its plan: "
+                 f"{format_bytes(planned.peak_bytes)} at its peak")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax

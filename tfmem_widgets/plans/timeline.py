@@ -26,57 +26,52 @@ class Timeline:
     peak_bytes: int  # the most bytes live at once (at most the allocation's size)
     allocation_bytes: int  # the temporary allocation's size, taken whole at the run's start
 
-    def total_at(self, i: int) -> int:
-        return sum(values[i] for _, values in self.series)
-
 
 def _label(key: str, phase: str) -> str:
     return f"{key}: {phase}"
 
 
 def timeline_of(proto, temp, index, owners, keep: int = 7, points: int = 400) -> Timeline | None:
-    """The Timeline of `temp` (hlo.Allocation) from the plan's HloProto; None where its trace is empty."""
+    """The Timeline of `temp` (hlo.Allocation) from the plan's HloProto; None where its trace is empty. The trace
+    is read once into changes (event, owner, bytes taken or given back); a first pass over them finds the peak
+    and each owner's most bytes, a second keeps the live bytes at the moments drawn."""
     from . import hlo
 
     holders: dict = {}
     owner_of_place: dict = {}
-    live: dict[str, int] = {}
-    changes: list[tuple[int, dict[str, int]]] = []
-    total, best, best_at, last = 0, -1, 0, 0
+    changes: list[tuple[int, str, int]] = []
     for k, taken, place, buffer in hlo._place_changes(proto, temp, holders):
         if taken:
-            key = _label(*owners.of(index.instruction_of(buffer)))
-            owner_of_place[place] = key
-            live[key] = live.get(key, 0) + place[1]
-            total += place[1]
-        else:
-            key = owner_of_place.pop(place, None)
-            if key is None:
-                continue
-            live[key] -= place[1]
-            total -= place[1]
-        changes.append((k, dict(live)))
-        last = k
-        if total > best:
-            best, best_at = total, len(changes) - 1
+            key = owner_of_place[place] = _label(*owners.of(index.instruction_of(buffer)))
+            changes.append((k, key, place[1]))
+        elif place in owner_of_place:
+            changes.append((k, owner_of_place.pop(place), -place[1]))
     if not changes:
         return None
+    live: dict[str, int] = {}
     most: dict[str, int] = {}  # each owner's most bytes live at once: the largest are drawn on their own
-    for _, now in changes:
-        for key, n in now.items():
-            most[key] = max(most.get(key, 0), n)
+    total, best, best_at = 0, -1, 0
+    for i, (_, key, n) in enumerate(changes):
+        live[key] = live.get(key, 0) + n
+        most[key] = max(most.get(key, 0), live[key])
+        total += n
+        if total > best:
+            best, best_at = total, i
     kept = sorted((key for key, n in most.items() if n > 0), key=lambda key: -most[key])[:keep]
     step = max(1, len(changes) // points)
-    chosen = sorted(set(range(0, len(changes), step)) | {best_at, len(changes) - 1})
-    series = {key: [] for key in kept}
-    rest = []
-    for i in chosen:
-        now = changes[i][1]
-        for key in kept:
-            series[key].append(max(0, now.get(key, 0)))
-        rest.append(max(0, sum(n for key, n in now.items() if key not in series)))
+    chosen = set(range(0, len(changes), step)) | {best_at, len(changes) - 1}
+    series: dict[str, list[int]] = {key: [] for key in kept}
+    rest: list[int] = []
+    live, total, moments = {}, 0, []
+    for i, (k, key, n) in enumerate(changes):
+        live[key] = live.get(key, 0) + n
+        total += n
+        if i in chosen:
+            moments.append(k)
+            for owner in kept:
+                series[owner].append(max(0, live.get(owner, 0)))
+            rest.append(max(0, total - sum(live.get(owner, 0) for owner in kept)))
     out = [(key, tuple(values)) for key, values in series.items()]
     if any(rest):
         out.append((REST, tuple(rest)))
-    return Timeline(tuple(changes[i][0] for i in chosen), tuple(out), last + 1, changes[best_at][0], best,
-                    temp.size)
+    return Timeline(tuple(moments), tuple(out), changes[-1][0] + 1, changes[best_at][0], best, temp.size)

@@ -100,6 +100,20 @@ model.compile("adam", "mse", jit_compile=True)
 """
 
 
+
+def trains_like_a_probe(batch: int, setup: dict, env: dict | None = None) -> bool:
+    """The search's model (PROBE_DATA_MODEL) fitted as its probes fit it, in a fresh process set up by `setup`:
+    whether it trained (its OOM is not made this process's last_oom(), as a probe's is not)."""
+    from tfmem_widgets.errors import FreshRunError
+    from tfmem_widgets.fresh.run import check_request, run_checked
+
+    code = PROBE_DATA_MODEL + f"model.fit(probe_dataset(make_batch({batch}), 2), epochs=1, verbose=0)"
+    try:
+        run_checked(code, setup=check_request(setup, None), env=env, echo=False, remember_oom=False)
+        return True
+    except FreshRunError:
+        return False
+
 def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
     """Run `code` in a new Python process; it must print one JSON object as its last line."""
     return finish_fresh(start_fresh(code, env), timeout)

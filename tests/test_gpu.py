@@ -14,7 +14,7 @@ import textwrap
 import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
 import pytest
 
-from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions
+from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions, trains_like_a_probe
 from tfmem_widgets.fresh.run import child_environment
 
 pytestmark = pytest.mark.gpu
@@ -556,19 +556,6 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
 
 
-def _trains_under_a_limit(batch: int, limit_mb: int, env: dict) -> bool:
-    """The search's model fitted as its probes fit it, in a fresh process under a logical device limit."""
-    from tfmem_widgets.errors import FreshRunError
-    from tfmem_widgets.fresh.run import check_request, run_checked
-
-    code = PROBE_DATA_MODEL + f"model.fit(probe_dataset(make_batch({batch}), 2), epochs=1, verbose=0)"
-    try:
-        run_checked(code, setup=check_request({"limit_mb": limit_mb}, None), env=env, echo=False, remember_oom=False)
-        return True
-    except FreshRunError:
-        return False
-
-
 def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_trains_on_the_gpu():
     # Issue 43 fault 6 on a GPU: a probe search under a 1000 MB logical device, asked what fits under 500 MB,
     # plans the step once in one fresh process and places the plans in a fresh pool under that limit (the
@@ -582,7 +569,7 @@ def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_train
     half = search.batch_for(500 * MiB)
     print(repr(search), half)
     assert search.plans and search.plans_after_seconds > 0 and 0 < half < search.edge[0]
-    assert [_trains_under_a_limit(n, 500, env) for n in (half, half * 6 // 5)] == [True, False], half
+    assert [trains_like_a_probe(n, {"limit_mb": 500}, env) for n in (half, half * 6 // 5)] == [True, False], half
 
 
 def test_a_gpu_plan_draws_its_program_and_its_live_buffers_add_up_to_the_anatomy():

@@ -8,7 +8,7 @@ in lab mode aborts its process, so nothing here runs near a limit in this proces
 import pytest
 
 import tfmem_widgets
-from conftest import PROBE_DATA_MODEL, run_fresh, search_functions
+from conftest import PROBE_DATA_MODEL, run_fresh, search_functions, trains_like_a_probe
 from tfmem_widgets.errors import ArgumentError
 
 MiB = 1 << 20
@@ -354,7 +354,7 @@ def test_what_fits_from_plans_is_confirmed_by_probes(tmp_path):
     # more than twice the edge's batch (the model's fixed bytes are counted once).
     half = search.batch_for(64 << 20)
     assert 0 < half < safe
-    assert [_trains_in_a_64_mb_lab(n) for n in (half, half * 6 // 5)] == [True, False], half
+    assert [trains_like_a_probe(n, {"lab_mb": 64}) for n in (half, half * 6 // 5)] == [True, False], half
     assert search.needs_bytes(half) <= 64 << 20 < search.needs_bytes(half * 6 // 5)
     assert search.batch_for(256 << 20) > 2 * safe
     with pytest.raises(ArgumentError, match="method must be"):
@@ -383,22 +383,9 @@ def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_train
     assert search.plans and search.plans_after_seconds > 0 and not search.plans_estimate
     assert "planned after the probes, for what fits away from their limit" in repr(search)
     assert 0 < half < safe
-    assert [_trains_in_a_64_mb_lab(n) for n in (half, half * 6 // 5)] == [True, False], half
+    assert [trains_like_a_probe(n, {"lab_mb": 64}) for n in (half, half * 6 // 5)] == [True, False], half
     assert search.needs_bytes(half) <= 64 << 20 < search.needs_bytes(half * 6 // 5)
     assert "planning" not in capsys.readouterr().out  # once
-
-
-def _trains_in_a_64_mb_lab(batch: int) -> bool:
-    """The search's model fitted as its probes fit it, in a fresh process with a 64 MB lab."""
-    from tfmem_widgets.errors import FreshRunError
-    from tfmem_widgets.fresh.run import check_request, run_checked
-
-    code = PROBE_DATA_MODEL + f"model.fit(probe_dataset(make_batch({batch}), 2), epochs=1, verbose=0)"
-    try:  # (its OOM is not made this process's last_oom(), as a probe's is not)
-        run_checked(code, setup=check_request({"lab_mb": 64}, None), echo=False, remember_oom=False)
-        return True
-    except FreshRunError:
-        return False
 
 
 PROBE_DATA = """

@@ -119,6 +119,75 @@ def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
     return finish_fresh(start_fresh(code, env), timeout)
 
 
+# A model planned, then fit on its data in the same process (tests/test_fit_plan.py in lab mode, test_gpu.py on a
+# card): FACTS section 8's three (an MLP, an attention model, two Conv2D) and our own (Dense, two inputs), each
+# at `scale` of its batch; `form` is how the fit is given its data: NumPy arrays, tensors, or a tf.data pipeline.
+PLAN_THEN_FIT = """
+import json, sys
+import numpy as np
+import tfmem_widgets
+kind, form, scale, setup = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+tfmem_widgets.setup(growth=True) if setup == "gpu" else tfmem_widgets.setup(lab_mb=int(setup))
+import keras, tensorflow as tf
+L = keras.layers
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+if kind == "mlp":
+    B = 6000; model = keras.Sequential([keras.Input((1536,)), L.Dense(3072, activation="relu"),
+                                        L.Dense(6144, activation="relu"), L.Dense(12)])
+    x = rng.normal(size=(2 * B, 1536)).astype("float32"); y = rng.integers(0, 12, 2 * B)
+elif kind == "attention":
+    B = 384; i = keras.Input((192,), dtype="int32"); h = L.Embedding(8000, 256)(i)
+    h = L.LayerNormalization()(h + L.MultiHeadAttention(4, 64)(h, h))
+    h = L.LayerNormalization()(h + L.Dense(256)(L.Dense(1024, activation="relu")(h)))
+    model = keras.Model(i, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+    x = rng.integers(0, 8000, (2 * B, 192)).astype("int32"); y = rng.integers(0, 10, 2 * B)
+elif kind == "conv":
+    B = 256; model = keras.Sequential([keras.Input((64, 64, 3)), L.Conv2D(64, 3, activation="relu", padding="same"),
+                                       L.Conv2D(128, 3, activation="relu", padding="same"),
+                                       L.GlobalAveragePooling2D(), L.Dense(10)])
+    x = rng.normal(size=(2 * B, 64, 64, 3)).astype("float32"); y = rng.integers(0, 10, 2 * B)
+elif kind in ("dense", "long"):  # (long: an epoch of 40 batches, more than Keras' pipeline holds at once)
+    B = 8192; model = keras.Sequential([keras.Input((512,)), L.Dense(1024, activation="relu"),
+                                        L.Dense(1024, activation="relu"), L.Dense(1)])
+    R = 40 if kind == "long" else 3
+    x = rng.normal(size=(R * B + 100, 512)).astype("float32"); y = rng.normal(size=(R * B + 100, 1)).astype("float32")
+else:  # two inputs
+    B = 4096; a = keras.Input((300,), name="a"); b = keras.Input((40,), dtype="int32", name="b")
+    h = L.Concatenate()([L.Dense(1024, activation="relu")(a), L.Flatten()(L.Embedding(1000, 16)(b))])
+    model = keras.Model([a, b], L.Dense(5)(L.Dense(512, activation="relu")(h)))
+    x = [rng.normal(size=(2 * B, 300)).astype("float32"), rng.integers(0, 1000, (2 * B, 40)).astype("int32")]
+    y = rng.integers(0, 5, 2 * B)
+loss = "mse" if kind in ("dense", "long") else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+model.compile("adam", loss, jit_compile=True)
+if scale != 1:
+    B = max(8, int(B * scale)); n = R * B + 100 if kind in ("dense", "long") else 2 * B
+    x = [a[:n] for a in x] if isinstance(x, list) else x[:n]; y = y[:n]
+if form == "tensors":
+    x, y = tf.nest.map_structure(tf.constant, x), tf.constant(y)
+planned = tfmem_widgets.plan(model, (x, y), B)
+device = planned.device
+tf.config.experimental.reset_memory_stats(device)
+if form == "tfdata":
+    model.fit(tf.data.Dataset.from_tensor_slices((tuple(x) if isinstance(x, list) else x, y)).batch(B)
+              .prefetch(tf.data.AUTOTUNE), epochs=1, verbose=0)
+else:
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+peak = tf.config.experimental.get_memory_info(device)["peak"]
+print(json.dumps({"planned": planned.fit_peak_bytes, "peak": peak, "fresh": planned.fit.fresh_peak_bytes,
+                  "in_use": planned.fit.in_use_bytes, "text": repr(planned)}))
+"""
+
+
+def plan_then_fit(kind: str, form: str = "arrays", scale: float = 1.0, setup: str = "1024") -> dict:
+    """PLAN_THEN_FIT in a fresh process (setup: 'gpu' for growth on a card, else lab mode's MB)."""
+    from tfmem_widgets.fresh.run import child_environment
+
+    proc = subprocess.Popen([sys.executable, "-c", PLAN_THEN_FIT, kind, form, str(scale), setup],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
+    return finish_fresh(proc, 400)
+
+
 def _gpu_available() -> bool:
     import tensorflow as tf
 
@@ -137,7 +206,7 @@ TIERS = {
     "test_memory_callback.py": "process", "test_plan.py": "process", "test_step_need.py": "unit", "test_oom_logs.py": "process",
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
     "test_errors.py": "magic", "test_readme.py": "process", "test_deaths.py": "process",
-    "test_workbook_prose.py": "notebook",
+    "test_workbook_prose.py": "notebook", "test_fit_plan.py": "process",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

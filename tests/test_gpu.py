@@ -14,7 +14,7 @@ import textwrap
 import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
 import pytest
 
-from conftest import FRESH_SHELL, PROBE_DATA_MODEL, run_fresh, search_functions, trains_like_a_probe
+from conftest import FRESH_SHELL, PROBE_DATA_MODEL, plan_then_fit, run_fresh, search_functions, trains_like_a_probe
 from tfmem_widgets.fresh.run import child_environment
 
 pytestmark = pytest.mark.gpu
@@ -677,3 +677,15 @@ print("guard cost, one epoch of 32 steps at 256:", {k: round(v, 2) for k, v in s
     assert "a kernel started in this folder before this one died" in told and "killed by SIGABRT (signal 6)" in told
     assert "Check failed" in told and "batch_size=4096" in told
     assert "a TensorFlow GPU kernel met a tensor at batch 4,096" in told
+
+
+@pytest.mark.parametrize("kind,form", [("mlp", "arrays"), ("attention", "arrays"), ("conv", "arrays"),
+                                       ("dense", "arrays"), ("dense", "tfdata"), ("multi", "arrays")])
+def test_the_fits_planned_peak_is_within_one_percent_of_its_measured_peak_on_the_gpu(kind, form):
+    # FACTS section 8's three models and our own, with Keras' default compile (XLA, the autotuner on) and growth:
+    # the plan compiles the step first in the process (so its autotuner's trials are not in the fit's peak) and
+    # places the fit's data, its batch copy and the step in the pool; the fit then runs on the same arrays.
+    out = plan_then_fit(kind, form, 1.0, "gpu")
+    print(out["text"], {k: v for k, v in out.items() if k != "text"})
+    assert abs(out["planned"] / out["peak"] - 1) < 0.01
+    assert "the input pipeline: on the host" in out["text"] and "the step's copy of the batch" in out["text"]

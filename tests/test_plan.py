@@ -451,7 +451,8 @@ with tfmem_widgets.trace() as t:   # from the process's start: the whole pool's 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
-    planned = tfmem_widgets.plan(model, (np.zeros((8, 512), "float32"), np.zeros(8, "int64")), 1024)
+    # (place=False: nothing taken from the pool, whose layout this test sets itself)
+    planned = tfmem_widgets.plan(model, (np.zeros((8, 512), "float32"), np.zeros(8, "int64")), 1024, place=False)
     if WHOLE:   # a free 32 MiB chunk between the step's 24 MiB request and twice it, its neighbour kept
         a = tf.zeros([8 << 20]); b = tf.zeros([8 << 20]); del a
     else:       # a free chunk far larger than twice the request: split
@@ -530,7 +531,7 @@ FIRST_STEP = """
 import json, tfmem_widgets
 tfmem_widgets.setup(lab_mb=1024)
 """ + PROBE_DATA_MODEL + """
-from tfmem_widgets.plans.plan import slots_shared_by_fit
+from tfmem_widgets.plans.fit import slots_shared_by_fit
 with tfmem_widgets.trace() as t:
     model.fit(probe_dataset(make_batch(1024), 2), epochs=1, verbose=0)  # fit builds the optimizer's slots itself
 events = t.events()

@@ -38,7 +38,7 @@ MODEL = SimpleNamespace(variables=[SimpleNamespace(shape=(512, 1024)), SimpleNam
 
 
 def planner(calls):
-    def plan(model, sample, batch, build=False):  # (the search builds as fit would: build=True)
+    def plan(model, sample, batch, build=False, place=True):  # (the search builds as fit would: build=True)
         calls.append(batch)
         return made_up(batch)
     return plan
@@ -80,7 +80,7 @@ def test_a_closing_plan_is_told_before_it_compiles_and_where_it_fits_the_search_
     monkeypatch.setitem(globals(), "per_row", lambda batch: 256 if batch < 5500 else 260)
     calls = []
 
-    def tuned(model, sample, batch, build=False):
+    def tuned(model, sample, batch, build=False, place=True):
         calls.append(batch)
         return replace(made_up(batch), autotuning="on (the GPU's autotuner)")
 
@@ -146,7 +146,7 @@ def test_a_graph_steps_tensor_of_2_to_the_31_elements_is_an_abort_at_its_first_b
 def test_a_plan_search_answers_below_the_batch_whose_graph_step_aborts(monkeypatch):
     calls = []
 
-    def plan(model, sample, batch, build=False):  # (the search builds as fit would: build=True)
+    def plan(model, sample, batch, build=False, place=True):  # (the search builds as fit would: build=True)
         calls.append(batch)
         return replace(made_up(batch), jit_compile=False, big_tensors=(SCORES, KERNEL), limit_bytes=LIMIT * 1000)
 

@@ -190,7 +190,7 @@ def _verdict(model, sample, x, y, batch: int) -> str | None:
     risks, under = [], None
     try:
         risks, under = plans.graph_abort_risks(model, sample, batch)
-        planned = plans.plan(model, sample, under if risks and under else batch, build=True)
+        planned = plans.plan(model, sample, under if risks and under else batch, build=True, place=False)
     except ArgumentError as exc:
         if risks:
             return _stopped(batch, risks, under, None)
@@ -205,17 +205,18 @@ def _verdict(model, sample, x, y, batch: int) -> str | None:
 def _fits(model, sample, planned, sizes) -> bool | int | None:
     """True where `planned` fits its device with the fit's data; else the largest batch below it whose plan
     does (None: none, or no limit known)."""
-    from ..plans.need import PIPELINE_BATCHES, step_need
+    from ..plans.fit import held_beside
+    from ..plans.need import step_need
     from ..plans.plan import batch_specs, plan
     from ..readings.fit_context import FitContext
 
-    held = (*sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
+    held = held_beside(planned, sizes)
     if planned.limit_bytes is None or planned.fits(held=held, regions=False if planned.estimate else None):
         return True
     context = FitContext(model, planned.batch_size, batch_specs(sample, planned.batch_size), 1, sizes)
 
     def planner(model, sample, batch: int):  # the plan made already is not compiled again
-        return planned if batch == planned.batch_size else plan(model, sample, batch, build=True)
+        return planned if batch == planned.batch_size else plan(model, sample, batch, build=True, place=False)
 
     return step_need(context, planned.limit_bytes, planner=planner).fits_batch
 

@@ -13,14 +13,16 @@ answer by probes (search/plan_first.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import ArgumentError
+from .fit import slots_shared_by_fit
 from .hlo import told_apart, widths_of
-from .plan import StepPlan, plan, slots_shared_by_fit
+from .plan import StepPlan, plan
 from .scaled import clear_of_widths, edge_between, edge_by_shapes, planned_between
 
 
@@ -57,7 +59,7 @@ class FreshFit:
     """The fit each plan of a search stands for, besides its step: held(plan), the bytes the process holds
     at that plan's batch (the fit's data where it sits on the device); start, the pool it meets at its first
     step (search/fit_start.py; None: an empty one); builds_slots, it builds the optimizer's slots itself
-    (a fresh process's, where build_model() left them unbuilt: plan.slots_shared_by_fit)."""
+    (a fresh process's, where build_model() left them unbuilt: fit.slots_shared_by_fit)."""
 
     held: Callable = lambda planned: ()
     start: object = None
@@ -80,7 +82,7 @@ class _Plans:
         """The plan at `batch` (made once); None where XLA could not compile it (not fitting)."""
         if batch not in self.by_batch:
             try:
-                planned = plan(self.model, self.sample, batch, build=True)
+                planned = plan(self.model, self.sample, batch, build=True, place=False)
                 shared = slots_shared_by_fit(self.model, planned) if self.fit.builds_slots else ()
             except ArgumentError as exc:  # (an autotuner without room)
                 self.notes.append(f"batch {batch:,}: {str(exc).removeprefix('plan: ')}")
@@ -246,15 +248,16 @@ def _aim_by_shapes(plans: dict[int, StepPlan], lo: int, hi: int | None, high: in
 
 def largest_below(model, sample, above: StepPlan, limit_bytes: int, *, resolution: float = 0.02,
                   max_plans: int = 10, seconds: float | None = None, held=lambda plan: (),
-                  regions: bool | None = None, planner=plan) -> PlanSearch:
+                  regions: bool | None = None, planner=None) -> PlanSearch:
     """The largest batch below `above` (a plan at a batch that does not fit) whose plan fits
     `limit_bytes`, to within `resolution`; each aim is by the shapes of `above` (planned_by_shapes:
     the largest batch they say fits), then of the plans made, else where the line through the
     model's resident bytes (at batch 0) and a failing plan's peak meets the limit. `seconds` bounds the
     search: what is known by then is returned (each plan is a compile). held(plan): what the process holds
     besides the step at that plan's batch (a fit's data); regions: as StepPlan.fits; planner: plan, or one
-    that plans elsewhere (plans/need.py's CPU copy)."""
+    that plans elsewhere (plans/need.py's CPU copy); by default plan() with nothing placed in this process's pool."""
     started = time.perf_counter()
+    planner = planner or functools.partial(plan, place=False)
     plans: dict[int, StepPlan] = {above.batch_size: above}
     notes: list[str] = []
 

@@ -27,6 +27,7 @@ from ..errors import ArgumentError
 from ..readings.fit_context import FitContext
 from ..text import marked
 from ..units import format_bytes
+from .fit import held_beside
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
 
 
@@ -103,9 +104,6 @@ class StepNeed:
 
 
 NEED_SECONDS = 60.0  # plans after an OOM stop after this long, with what is known by then
-# Keras' input pipeline ends in prefetch(AUTOTUNE), which holds batches ahead (this many in a traced fit):
-# the fresh pool a batch is judged in holds them besides the arrays fit was given (one tensor each).
-PIPELINE_BATCHES = 4
 
 
 EARLY_SECONDS = 15.0  # an early plan's search stops after this long: the cell is told within 30 s of its refusal
@@ -163,7 +161,7 @@ def from_cpu_copy(fit: FitContext, device: str, limit_bytes: int | None, *, seco
     growth = allocator_growth().get(allocator_of_device(device), True)
 
     def on_the_device(model, sample, batch: int):  # the CPU's plan, judged as the GPU's pool would hold it
-        return replace(plan(model, sample, batch, build=True), device=device, limit_bytes=limit, growth=growth)
+        return replace(plan(model, sample, batch, build=True, place=False), device=device, limit_bytes=limit, growth=growth)
 
     with tf.device("/CPU:0"):
         need = step_need(replace(fit, model=copy), limit, seconds=max(1.0, seconds - (time.perf_counter() - started)),
@@ -179,7 +177,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     from .largest import largest_below
     from .plan import plan
 
-    plan = planner or functools.partial(plan, build=True)  # the fit's own data builds as fit would
+    plan = planner or functools.partial(plan, build=True, place=False)  # the fit's own data builds as fit would
 
     seconds = NEED_SECONDS if seconds is None else seconds
     if fit.replicas != 1:
@@ -201,7 +199,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     left = max(0.0, seconds - (time.perf_counter() - started))
 
     def held(planned) -> tuple[int, ...]:
-        return (*fit.data_sizes, *(planned.batch_sizes * PIPELINE_BATCHES))
+        return held_beside(planned, fit.data_sizes)
 
     # An XLA step asks for its temporaries as one buffer: it fits where the pool a fresh process grows
     # has room for it (StepPlan.fits). A graph step asks for each tensor apart, with other kernels

@@ -67,7 +67,7 @@ class StepPlan(LinesText):
     # the pool a fresh process's fit meets at its first step, where a search read it (search/fit_start.py: lab mode)
     fit_start: object | None = None
     notes: tuple[str, ...] = field(default=())
-    # Where a fit builds the optimizer's slots itself (a batch search's fresh process: slots_shared_by_fit),
+    # Where a fit builds the optimizer's slots itself (a batch search's fresh process: fit.slots_shared_by_fit),
     # groups of them (indices into resident_sizes) that start from one buffer. Fit initializes them in one
     # graph function, whose equal constants TensorFlow merges: the slots of one shape and dtype (Adam's
     # momentum and velocity of each kernel, of every kernel so shaped) share one tensor, and XLA, which may
@@ -80,6 +80,7 @@ class StepPlan(LinesText):
     big_tensors: tuple = ()
     # the temporaries' live bytes over the program, by Keras layer and phase (plans/timeline.py): what plot() draws
     timeline: object | None = None
+    fit: object | None = None  # what the fit holds beside the step, share by share, and its peak (plans/fit.py)
 
     @property
     def same_program_anywhere(self) -> bool:
@@ -107,6 +108,14 @@ class StepPlan(LinesText):
     def peak_bytes(self) -> int:
         """In use at the step's peak, from an empty device: resident + batch + step."""
         return self.resident_bytes + self.batch_bytes + self.step_bytes
+
+    @property
+    def fit_peak_bytes(self) -> int:
+        """The fit's peak: placed in this process where it could be, else modelled in a fresh one (plans/fit.py);
+        a plan not made by plan() knows no fit: its step's peak."""
+        if self.fit is None:
+            return self.peak_bytes
+        return self.fit.peak_bytes if self.fit.peak_bytes is not None else self.fit.fresh_peak_bytes
 
     @property
     def worst_peak_bytes(self) -> int:
@@ -263,7 +272,7 @@ class StepPlan(LinesText):
                    "(whole chunks under its no-split rule)"
                    + (f"; in a fresh process's {'growing' if self.growth else 'preallocated'} pool "
                       f"{format_bytes(take)}" if take is not None else ""))
-        out += self._abort_lines()
+        out += self._abort_lines() + (self.fit.lines(self) if self.fit is not None else [])
         out.append(f"  compiled in {self.compile_seconds:.1f} s (traced in {self.trace_seconds:.1f} s); "
                    f"XLA_FLAGS {self.xla_flags or 'unset'}; autotuning: {self.autotuning}")
         if len(self.layers):
@@ -389,22 +398,25 @@ def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
         return ()
 
 
-def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
-    """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs.
+def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = True) -> StepPlan:
+    """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs, and the fit around it.
 
-    model: a compiled Keras model (TensorFlow backend). sample: (x, y) of any leading size (arrays,
-    tensors, nested as Keras takes them, or tf.TensorSpecs): only its shapes and types are read.
+    model: a compiled Keras model (TensorFlow backend). sample: (x, y) as fit is given them (arrays or tensors,
+    nested as Keras takes them: their shapes, types and length are read), or tf.TensorSpecs (no data share).
     build: an unbuilt model (no keras.Input) is built from the sample's shapes, as fit builds it from
     its data (refused otherwise: a wrong sample would leave it built wrong for the fit).
+    place: the fit's peak placed in this process's pool (plans/fit.py: its buffers taken for an instant, then
+    given back; a pool that grows keeps the regions made for them, as the fit would); False: modelled only.
 
     >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096)
-    >>> p.step_bytes, p.fits(), p.by_layer()
+    >>> p.step_bytes, p.fit_peak_bytes, p.fits(), p.by_layer()
     """
     import keras
 
     from ..tf.allocator import allocator_of_device
     from ..tf.devices import resolve_device
     from ..tf.limits import allocator_growth, limit_of
+    from .fit import peak_kept, planned_fit
     from .owners import Owners, parameter_owners
     from .timeline import timeline_of
 
@@ -413,7 +425,8 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
     built = _build_like_fit(model, specs)
     device = _device_of(model)
     try:
-        proto, concrete, trace_s, compile_s, scopes = compile_step(model, specs, device)
+        with peak_kept(resolve_device(device).name) as compile_seen:
+            proto, concrete, trace_s, compile_s, scopes = compile_step(model, specs, device)
     except Exception as exc:  # TensorFlow's own words, in one line
         if getattr(model, "loss", None) is None and getattr(model, "_compile_loss", None) is None:
             raise ArgumentError("plan: the model was compiled without a loss: a train step needs one "
@@ -455,7 +468,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
     name = resolve_device(device).name
     limit = limit_of(name)
     flags, autotuning = _xla_settings(name)
-    return StepPlan(
+    planned = StepPlan(
         batch_size=batch_size, device=name, resident_bytes=sum(parts.values()), resident_parts=parts,
         batch_bytes=sum(batch_sizes), step_bytes=step,
         step_allocations=tuple(a.size for a in per_run),
@@ -466,6 +479,8 @@ def plan(model, sample, batch_size: int, *, build: bool = False) -> StepPlan:
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
         weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big, timeline=timeline)
+    planned.fit = planned_fit(planned, sample, compile_seen, place)
+    return planned
 
 
 def graph_abort_risks(model, sample, batch_size: int) -> tuple[list, int | None]:
@@ -482,13 +497,3 @@ def graph_abort_risks(model, sample, batch_size: int) -> tuple[list, int | None]
     _, concrete, _, _, scopes = compile_step(model, specs, _device_of(model), compile=False)
     big = aborts.graph_tensors(concrete.graph, batch_size, Owners(None, scopes, {}).of_op)
     return aborts.risks_at(big, batch_size), aborts.largest_batch_under(big)
-
-
-def slots_shared_by_fit(model, planned: StepPlan) -> tuple[tuple[int, ...], ...]:
-    """StepPlan.shared_slots for a fit that builds the optimizer's slots itself (a fresh process's, where
-    build_model() left them unbuilt; plan() builds them one by one, each its own buffer): the optimizer's
-    variables grouped by shape and dtype, as indices into planned.resident_sizes, the groups of two or more."""
-    groups: dict[tuple, list[int]] = {}
-    for i, variable in enumerate(model.optimizer.variables, planned.weight_count):
-        groups.setdefault((tuple(int(d) for d in variable.shape), str(variable.dtype)), []).append(i)
-    return tuple(tuple(group) for group in groups.values() if len(group) > 1)

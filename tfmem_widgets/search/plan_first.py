@@ -38,7 +38,7 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
         return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
     sample = make_batch(min(low, 8))
     # A probe's fit builds the slots itself where build_model() left them unbuilt; on the CPU (lab mode) its first
-    # step then writes the slots that shared a buffer their own (plan.slots_shared_by_fit).
+    # step then writes the slots that shared a buffer their own (fit.slots_shared_by_fit).
     fit_builds_slots = device_of(model).startswith("CPU") and not getattr(model.optimizer, "built", True)
     share = data_on_device(make_batch, model)
     fit = FreshFit(held=lambda planned: held_beside(planned, share),

@@ -72,7 +72,7 @@ class Trace:
             if model is None or getattr(model, "jit_compile", None) is not True:
                 continue
             try:
-                plan(model, sample, batch, build=True)
+                plan(model, sample, batch, build=True, place=False)
             except Exception as exc:  # the user's model: the buffer stays named by its program
                 notes.append(f"the fit's XLA program at batch {batch:,} could not be planned "
                              f"({type(exc).__name__}): its buffer is named by the program alone")

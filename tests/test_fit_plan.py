@@ -82,3 +82,24 @@ def test_near_the_limit_nothing_is_placed_and_a_fresh_pool_is_modelled(lab_sessi
     assert planned.fit.peak_bytes is None and planned.fit.in_use_bytes is not None
     assert planned.fit_peak_bytes == planned.fit.fresh_peak_bytes > planned.limit_bytes
     assert "the fit's peak in a fresh process" in repr(planned)
+
+
+def test_the_plot_draws_the_whole_fit_beside_the_program(lab_session):
+    import keras
+    import matplotlib
+    import numpy as np
+
+    import tfmem_widgets
+
+    matplotlib.use("Agg")
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=True)
+    planned = tfmem_widgets.plan(model, (np.ones((3000, 64), "float32"), np.ones((3000, 1), "float32")), 1024)
+    ax = planned.plot()
+    side = ax.figure.axes[1]
+    legend = [t.get_text() for t in side.get_legend().get_texts()]
+    assert legend[0].startswith("the fit's peak, placed: ") and any(t.startswith("the data: ") for t in legend)
+    stacked = sum(patch.get_height() for patch in side.patches)  # the shares and what was handed out beyond them
+    assert abs(stacked * (1 << 20) - planned.fit_peak_bytes) < 1024
+    assert any(t.startswith("sequential/") or t.startswith("dense") for t in
+               (t.get_text() for t in ax.get_legend().get_texts()))

@@ -43,7 +43,11 @@ def plot_program(planned, ax=None, limit_bytes: int | None = None):
     import matplotlib.pyplot as plt
 
     line = planned.timeline
-    if ax is None:
+    side = None
+    if ax is None and planned.fit is not None:  # the fit's shares beside the program, on the same scale
+        _, (ax, side) = plt.subplots(1, 2, figsize=(11, 5.6), gridspec_kw={"width_ratios": [5, 1]}, sharey=True)
+        plot_fit(planned, side, limit_bytes)
+    elif ax is None:
         _, ax = plt.subplots(figsize=(9, 4.2))
     outputs = planned.step_bytes - (line.allocation_bytes if line is not None else 0)
     base = [("the model's variables (resident)", planned.resident_bytes, "#9e9e9e"),
@@ -82,5 +86,38 @@ def plot_program(planned, ax=None, limit_bytes: int | None = None):
     ax.set_ylim(bottom=0)
     ax.set_title(f"The train step at batch {planned.batch_size:,}, by its plan: "
                  f"{format_bytes(planned.peak_bytes)} at its peak")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if side is None:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:  # (the fit's bar stands to the right: the legend goes under the program)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.13), ncol=2)
+    return ax
+
+
+def plot_fit(planned, ax, limit_bytes: int | None = None):
+    """The fit's peak by share (plans/fit.py), one stacked bar: what was in use when planned (or the model's
+    variables, where nothing was placed), the data, the pipeline's buffers on the device, the step's copy of
+    the batch, the step; the peak as placed (or modelled), and the limit where it is near."""
+    fit = planned.fit
+    first = ("in use when planned", fit.in_use_bytes) if fit.peak_bytes is not None else (
+        "the model's variables", planned.resident_bytes)
+    shares = [first, ("the data", sum(fit.data) + (0 if fit.peak_bytes is not None else sum(fit.data_held))),
+              ("the input pipeline", sum(fit.pipeline)), ("the step's copy of the batch", sum(fit.batch_copy)),
+              ("the step", planned.step_bytes)]
+    bottom = 0
+    for k, (label, n) in enumerate(shares):
+        if n:
+            ax.bar(0, n / MiB, bottom=bottom / MiB, width=0.6, color=f"C{k + 5}", label=f"{label}: {format_bytes(n)}")
+            bottom += n
+    peak = planned.fit_peak_bytes
+    if peak > bottom:  # what the allocator hands out beyond the bytes asked: whole chunks, the 256-byte steps
+        ax.bar(0, (peak - bottom) / MiB, bottom=bottom / MiB, width=0.6, color="none", edgecolor="#555", hatch="//",
+               label=f"handed out beyond the bytes (whole chunks): {format_bytes(peak - bottom)}")
+    how = "placed" if fit.peak_bytes is not None else "modelled"
+    ax.plot([0], [peak / MiB], "v", color="black", markersize=8, label=f"the fit's peak, {how}: {format_bytes(peak)}")
+    limit = limit_bytes if limit_bytes is not None else planned.limit_bytes
+    if limit and limit <= 2 * peak:
+        ax.axhline(limit / MiB, color="#6a1b9a", linestyle=":")
+    ax.set_xticks([])
+    ax.set_title("the whole fit", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.02))
     return ax

@@ -101,5 +101,4 @@ def test_the_plot_draws_the_whole_fit_beside_the_program(lab_session):
     assert legend[0].startswith("the fit's peak, placed: ") and any(t.startswith("the data: ") for t in legend)
     stacked = sum(patch.get_height() for patch in side.patches)  # the shares and what was handed out beyond them
     assert abs(stacked * (1 << 20) - planned.fit_peak_bytes) < 1024
-    assert any(t.startswith("sequential/") or t.startswith("dense") for t in
-               (t.get_text() for t in ax.get_legend().get_texts()))
+    assert any("dense" in t.get_text() for t in ax.get_legend().get_texts())  # the program's buffers by Keras layer

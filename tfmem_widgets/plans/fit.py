@@ -43,6 +43,12 @@ class FitPlan:
     fresh_peak_bytes: int = 0  # the same in a fresh process's pool, modelled
     compile_bytes: int | None = None  # the most the plan's compile held beyond what was in use (measured)
 
+    def handed_out_beyond(self, planned) -> int:
+        """What the fit's peak holds beyond the bytes its shares ask: whole chunks, the allocator's rounding."""
+        first = self.in_use_bytes if self.peak_bytes is not None else (planned.resident_bytes + sum(self.data_held))
+        asked = first + sum((*self.data, *self.pipeline, *self.batch_copy)) + planned.step_bytes
+        return (self.peak_bytes if self.peak_bytes is not None else self.fresh_peak_bytes) - asked
+
     def lines(self, planned) -> list[str]:
         varies = planned.device.startswith("CPU")
         out = []
@@ -73,6 +79,10 @@ class FitPlan:
         if self.batch_copy:
             out.append(f"    the step's copy of the batch {format_bytes(sum(self.batch_copy))} (planned)")
         out.append(f"    the step {marked(format_bytes(planned.step_bytes), varies)} (planned: XLA's buffers)")
+        beyond = self.handed_out_beyond(planned)
+        if beyond > 0:
+            out.append(f"    handed out beyond those bytes {marked(format_bytes(beyond), varies)} (whole chunks under the "
+                       "allocator's no-split rule, its 256-byte steps)")
         if self.compile_bytes and self.compile_bytes >= MiB:
             what = ": the autotuner's trials" if not varies else ""
             out.append(f"  its compile held up to {format_bytes(self.compile_bytes)} more at once (measured{what}); a "

@@ -109,9 +109,10 @@ def plot_fit(planned, ax, limit_bytes: int | None = None):
             ax.bar(0, n / MiB, bottom=bottom / MiB, width=0.6, color=f"C{k + 5}", label=f"{label}: {format_bytes(n)}")
             bottom += n
     peak = planned.fit_peak_bytes
-    if peak > bottom:  # what the allocator hands out beyond the bytes asked: whole chunks, the 256-byte steps
-        ax.bar(0, (peak - bottom) / MiB, bottom=bottom / MiB, width=0.6, color="none", edgecolor="#555", hatch="//",
-               label=f"handed out beyond the bytes (whole chunks): {format_bytes(peak - bottom)}")
+    beyond = fit.handed_out_beyond(planned)
+    if beyond > 0:  # what the allocator hands out beyond the bytes asked: whole chunks, the 256-byte steps
+        ax.bar(0, beyond / MiB, bottom=bottom / MiB, width=0.6, color="none", edgecolor="#555", hatch="//",
+               label=f"handed out beyond the bytes (whole chunks): {format_bytes(beyond)}")
     how = "placed" if fit.peak_bytes is not None else "modelled"
     ax.plot([0], [peak / MiB], "v", color="black", markersize=8, label=f"the fit's peak, {how}: {format_bytes(peak)}")
     limit = limit_bytes if limit_bytes is not None else planned.limit_bytes

@@ -102,3 +102,24 @@ def test_the_plot_draws_the_whole_fit_beside_the_program(lab_session):
     stacked = sum(patch.get_height() for patch in side.patches)  # the shares and what was handed out beyond them
     assert abs(stacked * (1 << 20) - planned.fit_peak_bytes) < 1024
     assert any("dense" in t.get_text() for t in ax.get_legend().get_texts())  # the program's buffers by Keras layer
+
+
+def test_a_measured_block_around_a_plan_keeps_the_peaks_before_and_inside_it(lab_session):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfmem_widgets
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=True)
+    x, y = np.ones((20000, 64), "float32"), np.ones((20000, 1), "float32")  # the data: 4.96 MiB placed
+    with tfmem_widgets.measure("CPU:0") as m:
+        spike = tf.zeros((4 << 20,))  # 16 MiB, before the plan resets TensorFlow's counter
+        del spike
+        planned = tfmem_widgets.plan(model, (x, y), 512)
+    assert m.peak_bytes >= 16 << 20
+    with tfmem_widgets.measure("CPU:0") as inside:
+        planned = tfmem_widgets.plan(model, (x, y), 512)
+    # the placement's instant is the fit's peak in this process: the block saw it, beyond what was in use
+    assert inside.peak_bytes >= planned.fit_peak_bytes - planned.fit.in_use_bytes > 20000 * 65 * 4

@@ -216,18 +216,18 @@ def placed(device: str, sizes: tuple[int, ...], limit: int | None) -> tuple[int 
 
 @contextlib.contextmanager
 def peak_kept(device: str):
-    """TensorFlow's peak counter of `device` reset for what runs inside, the process's peak kept for tfmem's
-    readings (readings/allocator.note_peak), and the counter reset again after; yields a list that receives
-    the most in use inside beyond what was in use at its start (nothing where the device keeps no figures)."""
+    """TensorFlow's peak counter of `device` reset for what runs inside, the peak before it and the one inside
+    folded into every measure() block running and into the process's peak (readings/measure.py), and the counter
+    reset again after; yields a list that receives the most in use inside beyond what was in use at its start
+    (nothing where the device keeps no figures)."""
     import tensorflow as tf
 
-    from ..readings.allocator import note_peak
+    from ..readings.measure import _reset_peak
 
     seen: list[int] = []
     try:
         info = tf.config.experimental.get_memory_info(device)
-        note_peak(device, int(info["peak"]))
-        tf.config.experimental.reset_memory_stats(device)
+        _reset_peak(device, int(info["peak"]))
     except (ValueError, RuntimeError):
         yield seen
         return
@@ -236,8 +236,7 @@ def peak_kept(device: str):
     finally:
         after = tf.config.experimental.get_memory_info(device)
         seen.append(int(after["peak"]) - int(info["current"]))
-        note_peak(device, int(after["peak"]))
-        tf.config.experimental.reset_memory_stats(device)
+        _reset_peak(device, int(after["peak"]))
 
 
 def slots_shared_by_fit(model, planned) -> tuple[tuple[int, ...], ...]:

@@ -90,12 +90,11 @@ class FitPlan:
         return out
 
 
-def shares(planned, sample) -> FitPlan:
-    """The fit's shares from the sample (its full length: the fit's data) and the plan's batch."""
+def shares(planned, sample, dtypes) -> FitPlan:
+    """The fit's shares from the sample (its full length: the fit's data), the plan's batch and the dtype of each of
+    its batch's tensors, as Keras casts them."""
     import keras
     import tensorflow as tf
-
-    from .plan import batch_specs
 
     def kind(leaf):
         return None if leaf is None else (
@@ -107,7 +106,6 @@ def shares(planned, sample) -> FitPlan:
     rows = int(next(leaf for leaf in keras.tree.flatten(sample) if leaf is not None).shape[0])
     if rows < planned.batch_size:  # a sample of the shapes, not the fit's data (a fit would make smaller batches)
         return FitPlan(None, "short", (), (), (), planned.batch_sizes, sample_rows=rows)
-    dtypes = [spec.dtype for spec in keras.tree.flatten(batch_specs(sample, 1)) if spec is not None]
     batch, gpu = planned.batch_size, _on_gpu(planned)
     per_row = [size // batch for size in planned.batch_sizes]
     # (on a GPU, TensorFlow keeps int32 tensors in host memory: such an array is converted there)
@@ -152,12 +150,12 @@ def in_flight() -> int:
     return len(os.sched_getaffinity(0)) + 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 2
 
 
-def planned_fit(planned, sample, compile_seen: list[int], place: bool = True) -> FitPlan:
+def planned_fit(planned, sample, dtypes, compile_seen: list[int], place: bool = True) -> FitPlan:
     """The fit's plan beside `planned`: its shares, its peak placed in this process where the sample holds the
     data and the device keeps figures, and modelled in a fresh process's pool."""
     from dataclasses import replace
 
-    fit = shares(planned, sample)
+    fit = shares(planned, sample, dtypes)
     now, peak = placed(planned.device, fit_sizes(planned, fit), planned.limit_bytes) if fit.rows and place else (
         None, None)
     return replace(fit, in_use_bytes=now, peak_bytes=peak, fresh_peak_bytes=fresh_peak(planned, fit),
@@ -215,16 +213,19 @@ def placed(device: str, sizes: tuple[int, ...], limit: int | None) -> tuple[int 
 
 
 @contextlib.contextmanager
-def peak_kept(device: str):
+def peak_kept(device: str, keep: bool = True):
     """TensorFlow's peak counter of `device` reset for what runs inside, the peak before it and the one inside
     folded into every measure() block running and into the process's peak (readings/measure.py), and the counter
     reset again after; yields a list that receives the most in use inside beyond what was in use at its start
-    (nothing where the device keeps no figures)."""
+    (nothing where the device keeps no figures, or keep=False: nothing is touched)."""
     import tensorflow as tf
 
     from ..readings.measure import _reset_peak
 
     seen: list[int] = []
+    if not keep:  # (this process's allocator untouched: a plan made beside a refused request, a search's)
+        yield seen
+        return
     try:
         info = tf.config.experimental.get_memory_info(device)
         _reset_peak(device, int(info["peak"]))

@@ -401,15 +401,12 @@ def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
 def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = True) -> StepPlan:
     """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs, and the fit around it.
 
-    model: a compiled Keras model (TensorFlow backend). sample: (x, y) as fit is given them (arrays or tensors,
-    nested as Keras takes them: their shapes, types and length are read), or tf.TensorSpecs (no data share).
-    build: an unbuilt model (no keras.Input) is built from the sample's shapes, as fit builds it from
-    its data (refused otherwise: a wrong sample would leave it built wrong for the fit).
-    place: the fit's peak placed in this process's pool (plans/fit.py: its buffers taken for an instant, then
-    given back; a pool that grows keeps the regions made for them, as the fit would); False: modelled only.
+    model: a compiled Keras model. sample: (x, y) as fit gets them (arrays, tensors, nested as Keras takes them:
+    shapes, types, length read), or tf.TensorSpecs. build: an unbuilt model is built from the sample's shapes, as
+    fit would (refused otherwise). place: the fit's peak placed in this process's pool, the compile's measured
+    (plans/fit.py); False: neither, this process's allocator untouched (the searches', the OOM report's plans).
 
-    >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096)
-    >>> p.step_bytes, p.fit_peak_bytes, p.fits(), p.by_layer()
+    >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096); p.step_bytes, p.fit_peak_bytes, p.fits()
     """
     import keras
 
@@ -425,7 +422,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = T
     built = _build_like_fit(model, specs)
     device = _device_of(model)
     try:
-        with peak_kept(resolve_device(device).name) as compile_seen:
+        with peak_kept(resolve_device(device).name, place) as compile_seen:
             proto, concrete, trace_s, compile_s, scopes = compile_step(model, specs, device)
     except Exception as exc:  # TensorFlow's own words, in one line
         if getattr(model, "loss", None) is None and getattr(model, "_compile_loss", None) is None:
@@ -479,7 +476,7 @@ def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = T
         limit_source=limit.source, growth=allocator_growth().get(allocator_of_device(name), True),
         resident_sizes=tuple(size for each in sizes.values() for size in each), batch_sizes=batch_sizes, built=built,
         weight_count=len(sizes["weights"]) + len(sizes["non-trainable"]), big_tensors=big, timeline=timeline)
-    planned.fit = planned_fit(planned, sample, compile_seen, place)
+    planned.fit = planned_fit(planned, sample, [s.dtype for s in flat_specs], compile_seen, place)
     return planned
 
 

@@ -12,8 +12,10 @@
 2. max_batch_size on the same Keras model (Dense 512-1024-1024-1, Adam, jit_compile=True) with
    method="probe" and method="plan", one after the other: the answers, the probes, the seconds and
    their ratio. TensorFlow is imported here first, as in the notebook where the model was written.
-   Lab mode (128 MB) on this machine; with --gpu on the first GPU under a logical device limit of
-   2000 MB, XLA's autotuner off for plans and probes alike. --search conv: a convolution model
+   Lab mode (128 MB) on this machine. With --gpu: a Dense 768-2560-1280-6 model compiled as Keras does by
+   default (XLA on a GPU, its autotuner on), on the first GPU under a logical device limit of 3000 MB;
+   with --gpu --autotune-off: the Dense 512-1024-1024-1 model under 2000 MB, XLA's autotuner off for plans
+   and probes alike (XLA_FLAGS=--xla_gpu_autotune_level=0). --search conv: a convolution model
    (Conv2D 128-256-256 on 32x32x3, Adam) under a 256 MB lab instead, whose step's temporaries take a
    free chunk whole at the edge (lab mode only).
 """
@@ -111,6 +113,19 @@ def make_batch(n):
     return np.ones((n, 32, 32, 3), "float32"), np.zeros((n,), "int32")
 '''
 
+GPU_SEARCH_MODEL = '''
+def build_model():
+    import keras
+    model = keras.Sequential([keras.Input((768,)), keras.layers.Dense(2560, activation="relu"),
+                              keras.layers.Dense(1280, activation="relu"), keras.layers.Dense(6)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # XLA on a GPU: Keras' default
+    return model
+
+def make_batch(n):
+    import numpy as np
+    return np.ones((n, 768), "float32"), np.zeros((n,), "int32")
+'''
+
 SEARCH_MODEL = '''
 def build_model():
     import keras
@@ -131,9 +146,12 @@ def main() -> None:
     parser.add_argument("--skip-search", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--search", choices=("dense", "conv"), default="dense")
+    parser.add_argument("--autotune-off", action="store_true", help="with --gpu: XLA's autotuner off")
     args = parser.parse_args()
     if args.gpu and args.search == "conv":
         parser.error("--search conv runs in lab mode only")
+    if args.autotune_off and not args.gpu:
+        parser.error("--autotune-off is for --gpu (XLA on a CPU has no autotuner)")
     setup = {"growth": True} if args.gpu else {"lab_mb": 1024}
     device = "GPU:0" if args.gpu else "CPU:0"
     import os
@@ -155,10 +173,11 @@ def main() -> None:
     if args.skip_search:
         return
     namespace: dict = {}
-    exec(CONV_SEARCH_MODEL if args.search == "conv" else SEARCH_MODEL, namespace)
-    search_setup = {"limit_mb": 2000} if args.gpu else {"lab_mb": 256 if args.search == "conv" else 128}
-    # On a GPU, XLA's GEMM autotuner waits minutes on refused scratch past the edge: off, for plans and probes alike.
-    env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"} if args.gpu else None
+    keras_default = args.gpu and not args.autotune_off
+    exec(CONV_SEARCH_MODEL if args.search == "conv" else GPU_SEARCH_MODEL if keras_default else SEARCH_MODEL, namespace)
+    search_setup = ({"limit_mb": 3000 if keras_default else 2000} if args.gpu
+                    else {"lab_mb": 256 if args.search == "conv" else 128})
+    env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"} if args.autotune_off else None
     # This process as a notebook's kernel is where the model was written: TensorFlow imported. A probe that ran
     # out of memory is read here with TensorFlow's protobuf, and that import (3-4 s) would otherwise count
     # in whichever search meets its first OOM first (the probe search, run first).

@@ -27,10 +27,13 @@ def check_sample(model, sample, batch_size, build: bool) -> int:
 
     replicas = _replicas(model)
     if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
+        jit = getattr(model, "jit_compile", None)
         raise ArgumentError(
             f"plan: the model was built under {type(model.distribute_strategy).__name__} ({replicas} replicas), whose "
             "variables live on each replica's device: plan one replica's step instead, the same model built without "
-            f"the strategy, at the global batch divided by {replicas}.")
+            f"the strategy and compiled with jit_compile={jit!r} as this one was"
+            + (" (Keras turns XLA off under tf.distribute: that plan is an estimate)" if jit is not True else "")
+            + f", at the global batch divided by {replicas}; MemoryCallback measures each replica's peak in the fit.")
     if not isinstance(sample, (tuple, list)) or len(sample) not in (2, 3):
         got = f"a {len(sample)}-tuple" if isinstance(sample, (tuple, list)) else type(sample).__name__
         raise ArgumentError(f"plan: sample must be (x, y) or (x, y, sample_weight), as fit takes them; got {got}.")

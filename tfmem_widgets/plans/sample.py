@@ -32,7 +32,8 @@ def check_sample(model, sample, batch_size, build: bool) -> int:
             f"plan: the model was built under {type(model.distribute_strategy).__name__} ({replicas} replicas), whose "
             "variables live on each replica's device: plan one replica's step instead, the same model built without "
             f"the strategy and compiled with jit_compile={jit!r} as this one was"
-            + (" (Keras turns XLA off under tf.distribute: that plan is an estimate)" if jit is not True else "")
+            + (" (its step runs without XLA, as Keras compiles one under tf.distribute unless told jit_compile=True: "
+               "that plan is an estimate)" if jit is not True else "")
             + f", at the global batch divided by {replicas}; MemoryCallback measures each replica's peak in the fit.")
     if not isinstance(sample, (tuple, list)) or len(sample) not in (2, 3):
         got = f"a {len(sample)}-tuple" if isinstance(sample, (tuple, list)) else type(sample).__name__

@@ -556,6 +556,25 @@ def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_un
     assert all(p.peak_bytes <= 0.8 * 1000 * MiB for p in search.fitted if p.batch == recommended)
 
 
+def test_the_plan_searchs_probe_at_its_answer_reads_what_the_plans_compiles_timed():
+    # Keras' default compile on a GPU, XLA's autotuner on: the plans' process writes what its compiles timed, and
+    # the probe at the plans' answer, begun after them, has XLA read it (search/warm.SharedAutotune); it trains
+    # as the plans said, and the probe past it fails, within the search's resolution.
+    import math
+
+    import tfmem_widgets
+
+    search = tfmem_widgets.max_batch_size(*search_functions(jit=True), setup={"limit_mb": 1000}, high=262144,
+                                          method="plan", progress=False)
+    print(repr(search))
+    read = [note for note in search.notes if "kernel timings XLA's autotuner made while the plans compiled" in note]
+    assert len(read) == 1 and int(read[0].split(" read the ")[1].split()[0]) > 0, search.notes
+    answer = search.probes[0]
+    assert answer.batch == search.plan_answer and answer.fits
+    largest, failure = search.edge
+    assert largest == answer.batch and failure is not None and failure - largest <= math.ceil(largest * 0.02)
+
+
 def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_trains_on_the_gpu():
     # Issue 43 fault 6 on a GPU: a probe search under a 1000 MB logical device, asked what fits under 500 MB,
     # plans the step once in one fresh process and places the plans in a fresh pool under that limit (the

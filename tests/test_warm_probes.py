@@ -19,15 +19,17 @@ import pytest
 
 from tfmem_widgets.errors import FreshRunError
 from tfmem_widgets.search.probe import probe_in_fresh_process
-from tfmem_widgets.search.warm import WarmProbes
+from tfmem_widgets.search.warm import LOAD_AUTOTUNE, SharedAutotune, WarmProbes
 
 SETUP = {"lab_mb": 64}
 
 
-def _functions(hang: bool = False, seen: str | None = None, meet: str | None = None, gate: str | None = None):
+def _functions(hang: bool = False, seen: str | None = None, meet: str | None = None, gate: str | None = None,
+               flags: str | None = None):
     """meet: a folder; build_model waits (up to 60 s) there until two probes' processes have begun, so
     two probes one after the other cannot both build their models: a pair that trains ran side by side.
-    gate: a file; build_model waits (up to 60 s) until it exists."""
+    gate: a file; build_model waits (up to 60 s) until it exists. flags: a file; build_model adds a line of
+    the XLA_FLAGS its process had."""
     def build_model():
         import os
         from pathlib import Path
@@ -37,6 +39,9 @@ def _functions(hang: bool = False, seen: str | None = None, meet: str | None = N
         if seen:  # what the probe's process had when the model was built: lab mode's oneDNN switch
             with open(seen, "a") as out:
                 out.write(f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')}\n")
+        if flags:
+            with open(flags, "a") as out:
+                out.write(os.environ.get("XLA_FLAGS", "") + "\n")
         if meet:
             import time as clock
 
@@ -106,6 +111,25 @@ def test_a_warm_probe_imports_first_then_sets_up_and_measures_as_a_cold_probe_do
     assert abs(hot.peak_bytes - cold.peak_bytes) <= (128 << 10) + 4 * 256, (hot.peak_bytes, cold.peak_bytes)
     assert seen.read_text().split() == ["0", "0"]  # oneDNN off in both, as the lab setup makes it
     assert not _children() and not warm.path.exists()
+
+
+def test_a_probe_begun_after_the_plans_tells_xla_to_read_what_their_compiles_timed(tmp_path, monkeypatch):
+    # XLA's dump and load of autotune results run on a GPU (tests/test_gpu.py); here the search's side in real
+    # processes: a probe begun before the plans' results are published times its own kernels, and a process
+    # started ahead of that, begun after, tells XLA to read them as its work begins (XLA reads its flags then).
+    monkeypatch.setattr(SharedAutotune, "of", staticmethod(lambda env, setup, work: SharedAutotune(work)))
+    seen = tmp_path / "seen"
+    warm = WarmProbes(_functions(flags=str(seen)), 2, SETUP, {}, 120)
+    try:
+        before = warm.probe(64)
+        warm.autotune.written.write_text('results {\n  hlo: "a"\n}\n')  # as the plans' process writes them
+        assert warm.autotune.published() == 1
+        after = warm.probe(64, ahead=False)
+    finally:
+        warm.close()
+    assert before.fits and after.fits
+    first, second = seen.read_text().splitlines()
+    assert LOAD_AUTOTUNE not in first and second.endswith(f"{LOAD_AUTOTUNE}={warm.autotune.shared}"), (first, second)
 
 
 def test_a_pair_of_probes_runs_side_by_side_each_in_a_process_of_its_own(tmp_path):

@@ -141,7 +141,9 @@ def _plans(search, probe_one, progress, auto: bool):
 
     found = _run_plans(search, probe_one.path, xla_only=auto, closing_plan=pair is None,
                        closing_aim=None if begin_pair is None else str(aim_file), each_tick=closing_begun,
-                       then=lambda: "the probes begun meanwhile decide" if early and early[2] else "probes only")
+                       then=lambda: "the probes begun meanwhile decide" if early and early[2] else "probes only",
+                       env=getattr(probe_one, "plans_env", None))
+    getattr(probe_one, "plans_done", lambda: None)()  # (what the plans' compiles timed, the probes' from now)
     search.plan_seconds = time.perf_counter() - started
     if early is not None:  # how long the pair ran beside the plans, at most
         batches, began, read = early
@@ -162,13 +164,15 @@ def _plans(search, probe_one, progress, auto: bool):
 
 
 def _run_plans(search, path, *, xla_only: bool, closing_plan: bool, closing_aim: str | None,
-               each_tick=None, then=lambda: "probes only"):
+               each_tick=None, then=lambda: "probes only", env=None):
     """The PlanSearch of one fresh process set up like the search's probes (None, and a note that says
-    why, where the process failed; then(): what the search goes on with)."""
+    why, where the process failed; then(): what the search goes on with). env: where not None, the
+    process's environment instead of the search's (XLA told to write what its autotuner times)."""
     from ..errors import FreshRunError
     from ..fresh.run import run_checked
 
-    _, setup, env, timeout = search._run
+    _, setup, searched_env, timeout = search._run
+    env = searched_env if env is None else env
     code = PLAN_CODE.format(path=str(path), low=search.low, high=search.high, resolution=search.resolution,
                             max_plans=14, xla_only=xla_only, closing_plan=closing_plan, closing_aim=closing_aim)
     try:

@@ -16,6 +16,10 @@ would take the cores the two probes run on, and a probe the search needs after a
 ``begin`` starts them and returns what reads them: a plan search's pair may begin while its last plan
 compiles.
 
+On a GPU the probes read what XLA's autotuner timed while the plans compiled (``SharedAutotune``):
+a probe at a planned batch then compiles its step without timing its kernels again (the autotuner's
+seconds of trials, and its scratch on the card); a kernel of other shapes is timed as before.
+
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
 """
@@ -44,6 +48,11 @@ BESIDES_THE_POOL = 2 << 30
 # Two TensorFlow processes share the cores: on 2 a pair still gains a little, where no third process imports
 # beside it (ahead=False); on 1 they would only take turns.
 MIN_CORES = 2
+
+# The file of XLA's autotune results a search's probes read, where the plans' process wrote one (fresh_child
+# reads it as a probe's work begins: XLA reads its flags at its first compile).
+SHARED_AUTOTUNE_ENV = "TFMEM_AUTOTUNE_FROM"
+DUMP_AUTOTUNE, LOAD_AUTOTUNE = "--xla_gpu_dump_autotune_results_to", "--xla_gpu_load_autotune_results_from"
 
 WARM_CODE = """
 from pathlib import Path
@@ -185,7 +194,8 @@ class WarmProbes:
     returns what reads them (meanwhile this process is free). ready: how many
     processes wait at once (2 where a pair is to come, so both are imported when it does).
     close(): every process these probes started ended (waiting or probing), the functions' file
-    removed. path: the pickled functions (build_model, make_batch), for a process of the same setup."""
+    removed. path: the pickled functions (build_model, make_batch), for a process of the same setup;
+    autotune: the autotune results the probes read (SharedAutotune; None: none)."""
 
     def __init__(self, functions: bytes, steps: int, setup: dict | None, env: dict, timeout: float | None,
                  ready: int = 1):
@@ -195,6 +205,10 @@ class WarmProbes:
         try:
             self.path = Path(self._work) / "functions.pickle"
             self.path.write_bytes(functions)
+            self.autotune = SharedAutotune.of(env, setup, Path(self._work))
+            if self.autotune is not None:
+                env = self.autotune.probes_env(env)
+            self.env = env
             self._args = (self.path, steps, setup, env)
             self._timeout = timeout
             for _ in range(ready):
@@ -263,6 +277,49 @@ class WarmProbes:
         shutil.rmtree(self._work, ignore_errors=True)
 
 
+class SharedAutotune:
+    """XLA's autotune results of a search's plans, read by its probes: the planning process writes what
+    its compiles timed (plans_env: XLA dumps them after each compile), and once it has ended, published()
+    puts them where every probe begun after that reads them (probes_env), whole: a probe begun while the
+    plans compile reads nothing and times its own."""
+
+    def __init__(self, work: Path):
+        self.written, self.shared = work / "autotune-plans.txt", work / "autotune.txt"
+
+    @staticmethod
+    def of(env: dict, setup: dict | None, work: Path) -> SharedAutotune | None:
+        """The search's, on a GPU whose autotuner is on; None in lab mode (XLA on a CPU tunes nothing), with
+        the autotuner off, and where XLA_FLAGS dumps or loads autotune results already (the user's own)."""
+        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        mine = any(flag.startswith((DUMP_AUTOTUNE, LOAD_AUTOTUNE)) for flag in flags.split())
+        if (setup or {}).get("lab_mb") or mine or "--xla_gpu_autotune_level=0" in flags.split():
+            return None
+        return SharedAutotune(work)
+
+    def plans_env(self, env: dict) -> dict:
+        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        return {**env, "XLA_FLAGS": f"{flags} {DUMP_AUTOTUNE}={self.written}".strip()}
+
+    def probes_env(self, env: dict) -> dict:
+        return {**env, SHARED_AUTOTUNE_ENV: str(self.shared)}
+
+    def published(self) -> int:
+        """The plans' results put where the probes read them; how many kernels they time (0: none written)."""
+        if not self.written.is_file():
+            return 0
+        os.replace(self.written, self.shared)
+        return sum(line.startswith("results {") for line in self.shared.read_text().splitlines())
+
+
+def read_shared_autotune() -> None:
+    """In a search's fresh process as its work begins: XLA told to read the autotune results of the
+    search's plans, where they were published (SharedAutotune), before its first compile."""
+    shared = os.environ.pop(SHARED_AUTOTUNE_ENV, None)
+    if shared and os.path.isfile(shared):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {LOAD_AUTOTUNE}={shared}".strip()
+
+
 @contextlib.contextmanager
 def probing(search, pairs: bool = False):
     """While the functions' file exists: probe_one(batch, ahead=True), one probe of a BatchSearch's in a
@@ -285,7 +342,7 @@ def probing(search, pairs: bool = False):
             return taken(warm.probe(batch, ahead))
 
         def begin_pair(first: int, second: int):
-            how = room_for_two(setup, env)
+            how = room_for_two(setup, warm.env)
             if how is None:
                 return None
             read = warm.begin(first, second, ahead=False)  # the search's last where its plans hold
@@ -304,6 +361,16 @@ def probing(search, pairs: bool = False):
             return None if both is None else both()
 
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
+        probe_one.plans_env = None if warm.autotune is None else warm.autotune.plans_env(env)
+
+        def plans_done() -> None:  # the planning process has ended: its autotune results are the probes'
+            kernels = warm.autotune.published() if warm.autotune is not None else 0
+            if kernels:
+                search.notes.append(RunNote(f"the probes begun after the plans read the {kernels} kernel timings "
+                                            "XLA's autotuner made while the plans compiled, instead of timing "
+                                            "those kernels again"))
+
+        probe_one.plans_done = plans_done
         probe_one.pair = pair if pairs else None
         probe_one.begin_pair = begin_pair if pairs else None
         yield probe_one

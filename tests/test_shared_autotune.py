@@ -16,9 +16,15 @@ RESULTS = 'version: 3\nresults {\n  device: "CUDA: 9.0"\n  hlo: "a"\n}\nresults 
     ({"XLA_FLAGS": "--xla_gpu_autotune_level=0"}, {"limit_mb": 1000}),  # nothing is timed
     ({"XLA_FLAGS": f"{DUMP_AUTOTUNE}=/mine.txt"}, None),  # the user's own results: left alone
     ({"XLA_FLAGS": f"--xla_gpu_autotune_level=4 {LOAD_AUTOTUNE}=/mine.pb"}, None),
+    ({"XLA_FLAGS": "--xla_gpu_autotune_level=4 --xla_gpu_autotune_level=0"}, None),  # XLA takes the last
 ])
 def test_a_search_shares_nothing_where_nothing_is_timed_or_the_user_keeps_the_results(tmp_path, env, setup):
     assert SharedAutotune.of(env, setup, tmp_path) is None
+
+
+def test_a_search_on_a_gpu_whose_autotuner_is_on_shares(tmp_path):
+    assert SharedAutotune.of({"XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_autotune_level=4"}, None,
+                             tmp_path) is not None
 
 
 def test_the_plans_write_the_results_and_the_probes_read_them_only_once_the_plans_have_ended(tmp_path, monkeypatch):

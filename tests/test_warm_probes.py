@@ -171,6 +171,28 @@ def test_a_searchs_pair_starts_no_process_for_a_probe_after_it_and_joins_its_pro
     assert not _children()
 
 
+def test_a_search_says_its_probes_read_the_plans_timings_only_where_a_probe_began_after_them(monkeypatch):
+    # The note is the search's: where the plans' results were published (here: said to hold 7 timings) and no
+    # probe began after, nothing read them, and nothing is said.
+    from tfmem_widgets.search import warm
+    from tfmem_widgets.search.batch_search import BatchSearch
+
+    monkeypatch.setattr(SharedAutotune, "of", staticmethod(lambda env, setup, work: SharedAutotune(work)))
+    monkeypatch.setattr(SharedAutotune, "published", lambda self: 7)
+    said = "the probes begun after the plans read the 7 kernel timings XLA's autotuner made while the plans compiled"
+    search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
+                         _run=(_functions(), SETUP, {}, 240))
+    with warm.probing(search) as probe_one:
+        assert probe_one.plans_env["XLA_FLAGS"].endswith("autotune-plans.txt")  # the planning process writes them
+        probe_one(32, ahead=False)
+        probe_one.plans_done()
+    assert not any(note.startswith(said) for note in search.notes)
+    with warm.probing(search) as probe_one:
+        probe_one.plans_done()
+        probe_one(32, ahead=False)
+    assert sum(note.startswith(said) for note in search.notes) == 1, search.notes
+
+
 def test_a_pair_begun_runs_while_the_search_does_something_else_and_is_read_after(monkeypatch, tmp_path):
     # begin_pair: a closing plan's two probes begin while the planning process compiles it
     # (search/plan_first.plan_first); the search's thread is free meanwhile and reads them after.

@@ -290,9 +290,10 @@ class SharedAutotune:
     def of(env: dict, setup: dict | None, work: Path) -> SharedAutotune | None:
         """The search's, on a GPU whose autotuner is on; None in lab mode (XLA on a CPU tunes nothing), with
         the autotuner off, and where XLA_FLAGS dumps or loads autotune results already (the user's own)."""
-        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        mine = any(flag.startswith((DUMP_AUTOTUNE, LOAD_AUTOTUNE)) for flag in flags.split())
-        if (setup or {}).get("lab_mb") or mine or "--xla_gpu_autotune_level=0" in flags.split():
+        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")).split()
+        mine = any(flag.startswith((DUMP_AUTOTUNE, LOAD_AUTOTUNE)) for flag in flags)
+        levels = [flag.partition("=")[2] for flag in flags if flag.startswith("--xla_gpu_autotune_level=")]
+        if (setup or {}).get("lab_mb") or mine or levels[-1:] == ["0"]:  # (XLA takes the last one given)
             return None
         return SharedAutotune(work)
 
@@ -338,7 +339,10 @@ def probing(search, pairs: bool = False):
             search.probes.append(probe)
             return probe
 
+        begun = [0]  # probes begun so far
+
         def probe_one(batch: int, ahead: bool = True) -> Probe:
+            begun[0] += 1
             return taken(warm.probe(batch, ahead))
 
         def begin_pair(first: int, second: int):
@@ -346,6 +350,7 @@ def probing(search, pairs: bool = False):
             if how is None:
                 return None
             read = warm.begin(first, second, ahead=False)  # the search's last where its plans hold
+            begun[0] += 2
 
             def both() -> list[Probe]:
                 probes = read(each=taken)
@@ -363,16 +368,20 @@ def probing(search, pairs: bool = False):
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
         probe_one.plans_env = None if warm.autotune is None else warm.autotune.plans_env(env)
 
+        read_from = []  # (the kernels timed in the plans' results, the probes begun before they were published)
+
         def plans_done() -> None:  # the planning process has ended: its autotune results are the probes'
             kernels = warm.autotune.published() if warm.autotune is not None else 0
             if kernels:
-                search.notes.append(RunNote(f"the probes begun after the plans read the {kernels} kernel timings "
-                                            "XLA's autotuner made while the plans compiled, instead of timing "
-                                            "those kernels again"))
+                read_from.append((kernels, begun[0]))
 
         probe_one.plans_done = plans_done
         probe_one.pair = pair if pairs else None
         probe_one.begin_pair = begin_pair if pairs else None
         yield probe_one
     finally:
+        if read_from and begun[0] > read_from[0][1]:
+            search.notes.append(RunNote(f"the probes begun after the plans read the {read_from[0][0]} kernel timings "
+                                        "XLA's autotuner made while the plans compiled, instead of timing those "
+                                        "kernels again"))
         warm.close()  # every process it started ended, the functions' file removed

@@ -1,6 +1,7 @@
 """Plans against measured steps, and what fits from plans against the probe search, side by side.
 
     .venv/bin/python benchmarks/plan_vs_probe.py [--gpu] [--skip-search] [--skip-steps] [--search conv]
+                                                 [--method plan|probe]
 
 1. For a Dense, an attention and a convolution model compiled with jit_compile=True, one fresh
    process each: tfmem_widgets.plan() at three batches, then the same step run by Keras' own train
@@ -17,7 +18,8 @@
    with --gpu --autotune-off: the Dense 512-1024-1024-1 model under 2000 MB, XLA's autotuner off for plans
    and probes alike (XLA_FLAGS=--xla_gpu_autotune_level=0). --search conv: a convolution model
    (Conv2D 128-256-256 on 32x32x3, Adam) under a 256 MB lab instead, whose step's temporaries take a
-   free chunk whole at the edge (lab mode only).
+   free chunk whole at the edge (lab mode only). --method plan (or probe): that search alone, for a
+   look at where its seconds go; no ratio is printed (the ratio is of both, side by side in one run).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--search", choices=("dense", "conv"), default="dense")
     parser.add_argument("--autotune-off", action="store_true", help="with --gpu: XLA's autotuner off")
+    parser.add_argument("--method", choices=("plan", "probe"), help="that search alone (no ratio)")
     args = parser.parse_args()
     if args.gpu and args.search == "conv":
         parser.error("--search conv runs in lab mode only")
@@ -183,9 +186,10 @@ def main() -> None:
     # in whichever search meets its first OOM first (the probe search, run first).
     import tensorflow  # noqa: F401
 
-    print("\n== what fits: the probe search and the plan search, one after the other, " + json.dumps(search_setup))
+    which = f"the {args.method} search alone" if args.method else "the probe search and the plan search, one after the other"
+    print(f"\n== what fits: {which}, " + json.dumps(search_setup))
     found, cpu = {}, {}
-    for method in ("probe", "plan"):
+    for method in (args.method,) if args.method else ("probe", "plan"):
         started, before = time.perf_counter(), _cpu_of_children()
         search = tfmem_widgets.max_batch_size(namespace["build_model"], namespace["make_batch"], setup=search_setup,
                                               high=262144 if args.gpu else 16384, progress="lines", method=method,
@@ -202,7 +206,10 @@ def main() -> None:
                   + ", ".join(f"{p.batch_size:,}" for p in search.plans))
             print("       the probes " + ", ".join(f"{p.batch:,} {'trained' if p.fits else 'did not'} ({p.seconds:.1f} s)"
                                                for p in search.probes)
-                  + "".join(f"; {note}" for note in search.notes if "were probed while the plan" in note))
+                  + "".join(f"; {note}" for note in search.notes if "were probed while the plan" in note
+                            or "kernel timings" in note))
+    if args.method:
+        return
     ratio = found["plan"][1] / found["probe"][1]
     same = abs(found["plan"][0].edge[0] - found["probe"][0].edge[0]) <= max(1, found["probe"][0].edge[0] * 0.02)
     print(f"plan / probe time: x{ratio:.2f}; CPU x{cpu['plan'] / cpu['probe']:.2f}; the same edge within the 2% "

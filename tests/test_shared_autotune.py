@@ -36,9 +36,11 @@ def test_the_plans_write_the_results_and_the_probes_read_them_only_once_the_plan
     assert plans == {"A": "1", "XLA_FLAGS": f"--xla_gpu_autotune_level=4 {DUMP_AUTOTUNE}={shared.written}"}
     probes = shared.probes_env({"A": "1"})
     assert probes == {"A": "1", SHARED_AUTOTUNE_ENV: str(shared.shared)} and "XLA_FLAGS" not in probes
-    assert shared.published() == 0 and not shared.shared.exists()  # the plans' process wrote nothing
+    shared.publish()
+    assert shared.kernels == 0 and not shared.shared.exists()  # the plans' process wrote nothing
     shared.written.write_text(RESULTS)
-    assert shared.published() == 2  # kernels timed: the file's results
+    shared.publish()
+    assert shared.kernels == 2  # kernels timed: the file's results
     assert shared.shared.read_text() == RESULTS and not shared.written.exists()  # moved whole, not copied
 
 

@@ -254,6 +254,8 @@ class WarmProbes:
 
         try:
             started = [process.begin(batch) for process, batch in zip(processes, batches)]
+            if self.autotune is not None and self.autotune.kernels:
+                self.autotune.read_by += len(processes)  # (each reads them as its work begins)
         except BaseException:
             ended(killed=True)
             raise
@@ -279,37 +281,44 @@ class WarmProbes:
 
 class SharedAutotune:
     """XLA's autotune results of a search's plans, read by its probes: the planning process writes what
-    its compiles timed (plans_env: XLA dumps them after each compile), and once it has ended, published()
+    its compiles timed (plans_env: XLA dumps them after each compile), and once it has ended, publish()
     puts them where every probe begun after that reads them (probes_env), whole: a probe begun while the
     plans compile reads nothing and times its own."""
 
     def __init__(self, work: Path):
         self.written, self.shared = work / "autotune-plans.txt", work / "autotune.txt"
+        self.kernels = 0  # the kernel timings published (0: none yet)
+        self.read_by = 0  # the probes begun since (WarmProbes.begin)
 
     @staticmethod
     def of(env: dict, setup: dict | None, work: Path) -> SharedAutotune | None:
         """The search's, on a GPU whose autotuner is on; None in lab mode (XLA on a CPU tunes nothing), with
         the autotuner off, and where XLA_FLAGS dumps or loads autotune results already (the user's own)."""
-        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")).split()
-        mine = any(flag.startswith((DUMP_AUTOTUNE, LOAD_AUTOTUNE)) for flag in flags)
-        levels = [flag.partition("=")[2] for flag in flags if flag.startswith("--xla_gpu_autotune_level=")]
-        if (setup or {}).get("lab_mb") or mine or levels[-1:] == ["0"]:  # (XLA takes the last one given)
+        from ..tf.devices import xla_autotune_level
+
+        flags = _child_flags(env)
+        mine = any(flag.startswith((DUMP_AUTOTUNE, LOAD_AUTOTUNE)) for flag in flags.split())
+        if (setup or {}).get("lab_mb") or mine or xla_autotune_level(flags) == "0":
             return None
         return SharedAutotune(work)
 
     def plans_env(self, env: dict) -> dict:
-        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        return {**env, "XLA_FLAGS": f"{flags} {DUMP_AUTOTUNE}={self.written}".strip()}
+        return {**env, "XLA_FLAGS": f"{_child_flags(env)} {DUMP_AUTOTUNE}={self.written}".strip()}
 
     def probes_env(self, env: dict) -> dict:
         return {**env, SHARED_AUTOTUNE_ENV: str(self.shared)}
 
-    def published(self) -> int:
-        """The plans' results put where the probes read them; how many kernels they time (0: none written)."""
-        if not self.written.is_file():
-            return 0
-        os.replace(self.written, self.shared)
-        return sum(line.startswith("results {") for line in self.shared.read_text().splitlines())
+    def publish(self) -> None:
+        """The plans' results put where the probes read them (nothing where none were written), and
+        `kernels` set to how many kernel timings they hold."""
+        if self.written.is_file():
+            os.replace(self.written, self.shared)
+            self.kernels = sum(line.startswith("results {") for line in self.shared.read_text().splitlines())
+
+
+def _child_flags(env: dict) -> str:
+    """The XLA_FLAGS a fresh process started with `env` has (env's own, else this process's)."""
+    return env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 
 
 def read_shared_autotune() -> None:
@@ -339,10 +348,7 @@ def probing(search, pairs: bool = False):
             search.probes.append(probe)
             return probe
 
-        begun = [0]  # probes begun so far
-
         def probe_one(batch: int, ahead: bool = True) -> Probe:
-            begun[0] += 1
             return taken(warm.probe(batch, ahead))
 
         def begin_pair(first: int, second: int):
@@ -350,7 +356,6 @@ def probing(search, pairs: bool = False):
             if how is None:
                 return None
             read = warm.begin(first, second, ahead=False)  # the search's last where its plans hold
-            begun[0] += 2
 
             def both() -> list[Probe]:
                 probes = read(each=taken)
@@ -368,20 +373,14 @@ def probing(search, pairs: bool = False):
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
         probe_one.plans_env = None if warm.autotune is None else warm.autotune.plans_env(env)
 
-        read_from = []  # (the kernels timed in the plans' results, the probes begun before they were published)
-
-        def plans_done() -> None:  # the planning process has ended: its autotune results are the probes'
-            kernels = warm.autotune.published() if warm.autotune is not None else 0
-            if kernels:
-                read_from.append((kernels, begun[0]))
-
-        probe_one.plans_done = plans_done
+        # the planning process has ended: its autotune results are the probes' from now
+        probe_one.plans_done = (lambda: None) if warm.autotune is None else warm.autotune.publish
         probe_one.pair = pair if pairs else None
         probe_one.begin_pair = begin_pair if pairs else None
         yield probe_one
     finally:
-        if read_from and begun[0] > read_from[0][1]:
-            search.notes.append(RunNote(f"the probes begun after the plans read the {read_from[0][0]} kernel timings "
+        if warm.autotune is not None and warm.autotune.read_by:
+            search.notes.append(RunNote(f"the probes begun after the plans read the {warm.autotune.kernels} kernel timings "
                                         "XLA's autotuner made while the plans compiled, instead of timing those "
                                         "kernels again"))
         warm.close()  # every process it started ended, the functions' file removed

@@ -110,11 +110,12 @@ def resolve_device(device: str | None) -> LogicalDevice:
     )
 
 
-def xla_autotune_level() -> str | None:
+def xla_autotune_level(flags: str | None = None) -> str | None:
     """The level of XLA's GPU autotuner XLA_FLAGS sets (--xla_gpu_autotune_level=N, the last one given,
-    as XLA reads its flags); None where it is not set (the default: on)."""
+    as XLA reads its flags); None where it is not set (the default: on). flags: those of another process
+    (default: this one's XLA_FLAGS)."""
     import os
 
-    levels = [flag.split("=", 1)[1] for flag in os.environ.get("XLA_FLAGS", "").split()
-              if flag.startswith("--xla_gpu_autotune_level=")]
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    levels = [flag.split("=", 1)[1] for flag in flags.split() if flag.startswith("--xla_gpu_autotune_level=")]
     return levels[-1] if levels else None

@@ -613,6 +613,52 @@ def test_the_plans_answer_and_the_batch_past_it_are_probed_side_by_side_where_th
     assert (then, single, pairs, aheads) == (DONE, [117_000, 119_340], [], [True, False])  # none after the last
 
 
+def test_where_the_probes_read_the_plans_timings_the_batch_past_the_answer_is_planned_and_probed(monkeypatch, tmp_path):
+    # A GPU whose autotuner is on (warm.SharedAutotune: probe_one.plans_env): the planning process is told to plan
+    # the batch past its answer too, and to tell no closing plan (a probe begun before the plans end would read
+    # no timings); the pair follows the published plans, and the batch past the answer is the plans' failure where
+    # that lies within a step of it (a batch they compiled: its probe times no kernel). The planning process is
+    # the seam, as above.
+    from types import SimpleNamespace
+
+    import tfmem_widgets.fresh.run as fresh
+    from tfmem_widgets.plans.largest import PlanSearch
+    from tfmem_widgets.search.plan_first import DONE, plan_first
+    from tfmem_widgets.search.progress import LineProgress
+
+    def searched(failure):
+        found = PlanSearch(117_000, failure, [], 30.0, True, 2000 * 1_000_000, "logical device limit")
+        events = []
+
+        def planning(code, **kwargs):
+            events.append(("planned", "closing_plan=True" in code, "closing_aim=None" in code, kwargs["env"]))
+            return SimpleNamespace(values={"found": found})
+
+        monkeypatch.setattr(fresh, "run_checked", planning)
+        search = BatchSearch([], 1, 262144, 2, 0.0, 0.02, where="GPU:0", _run=(b"", {}, {}, 60))
+        probe, probe_one, single, _ = _gpu_probes(search, 118_000)
+
+        def pair(first, second):
+            events.append(("pair", first, second))
+            return [probe(first), probe(second)]
+
+        def begin_pair(first, second):
+            raise AssertionError("no probe begins while the plans compile")
+
+        probe_one.path, probe_one.pair, probe_one.begin_pair = tmp_path / "functions.pickle", pair, begin_pair
+        probe_one.plans_env = {"XLA_FLAGS": "--xla_gpu_dump_autotune_results_to=/plans.txt"}
+        probe_one.plans_done = lambda planned: events.append(("published", planned))
+        then = plan_first(search, probe_one, LineProgress(quiet=True), auto=False, max_probes=16)
+        return then, events, single, search, found
+
+    then, events, single, search, found = searched(118_500)  # the plan past the answer failed within a step
+    assert events == [("planned", True, True, {"XLA_FLAGS": "--xla_gpu_dump_autotune_results_to=/plans.txt"}),
+                      ("published", found), ("pair", 117_000, 118_500)]
+    assert (then, single, search.edge) == (DONE, [], (117_000, 118_500))
+    then, events, single, search, _ = searched(160_000)  # no plan within a step past it: a step past it is probed
+    assert events[-1] == ("pair", 117_000, 119_340) and search.edge == (117_000, 119_340)
+
+
 def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_it_says(monkeypatch, tmp_path):
     # The planning process is the seam, as above: the fake one tells its closing plan where
     # search_in_process does (largest_planned_batch's closing()), lets the search look (each_tick), then

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import FRESH_SHELL, PROBE_DATA_MODEL, plan_then_fit, run_fresh, search_functions, trains_like_a_probe
 from tfmem_widgets.fresh.run import child_environment
+from tfmem_widgets.search.probe import REFUSED
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -573,6 +574,28 @@ def test_the_plan_searchs_probe_at_its_answer_reads_what_the_plans_compiles_time
     assert answer.batch == search.plan_answer and answer.fits
     largest, failure = search.edge
     assert largest == answer.batch and failure is not None and failure - largest <= math.ceil(largest * 0.02)
+    # The batch past the answer was planned too: its probe timed no kernel, so it ended at its first refusal.
+    past = search.probes[1]
+    assert past.batch == failure and past.batch in {p.batch_size for p in search.plans}, search.plans
+    assert past.died == REFUSED, past
+
+
+def test_a_fit_in_a_fresh_process_finds_every_kernel_of_its_step_in_what_the_plan_timed(tmp_path):
+    # What a plan search's probe at a planned batch reads (search/warm.SharedAutotune): a plan's compile in one
+    # process writes what XLA's autotuner timed; a fit at that batch in another, told to read it and to refuse
+    # any kernel not in it (XLA's --xla_gpu_require_complete_aot_autotune_results), trains: its step's kernels
+    # are all there, so it times none (and a refusal in it is its program's own).
+    from tfmem_widgets.fresh.run import check_request, run_checked
+
+    timed, setup = tmp_path / "timed.txt", {"limit_mb": 1000}
+    plan_code = PROBE_DATA_MODEL + ("from tfmem_widgets.plans.plan import plan\n"
+                                    "plan(model, make_batch(8), 4096, build=True, place=False)")
+    run_checked(plan_code, setup=check_request(setup, None), echo=False, remember_oom=False,
+                env={"XLA_FLAGS": f"--xla_gpu_dump_autotune_results_to={timed}"})
+    assert timed.read_text().count("results {") > 0
+    env = {"XLA_FLAGS": f"--xla_gpu_load_autotune_results_from={timed} --xla_gpu_require_complete_aot_autotune_results=true"}
+    assert trains_like_a_probe(4096, setup, env)
+    assert not trains_like_a_probe(4093, setup, env)  # other shapes: a kernel not timed there is refused
 
 
 def test_a_probe_search_asked_away_from_its_edge_plans_once_and_its_answer_trains_on_the_gpu():

@@ -6,7 +6,14 @@ import os
 
 import pytest
 
-from tfmem_widgets.search.warm import DUMP_AUTOTUNE, LOAD_AUTOTUNE, SHARED_AUTOTUNE_ENV, SharedAutotune, read_shared_autotune
+from tfmem_widgets.search.warm import (
+    DUMP_AUTOTUNE,
+    LOAD_AUTOTUNE,
+    SHARED_AUTOTUNE_ENV,
+    SharedAutotune,
+    read_shared_autotune,
+    timed_by_plans,
+)
 
 RESULTS = 'version: 3\nresults {\n  device: "CUDA: 9.0"\n  hlo: "a"\n}\nresults {\n  device: "CUDA: 9.0"\n  hlo: "b"\n}\n'
 
@@ -55,3 +62,40 @@ def test_a_probe_reads_the_results_where_they_were_published_as_its_work_begins(
     read_shared_autotune()
     assert os.environ["XLA_FLAGS"] == f"--xla_gpu_autotune_level=4 {LOAD_AUTOTUNE}={results}"
     assert SHARED_AUTOTUNE_ENV not in os.environ  # (a process it starts is not a probe of the search)
+
+
+def test_a_probe_at_a_batch_the_plans_compiled_knows_every_kernel_of_its_step_is_timed(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    shared = SharedAutotune.of({}, {"limit_mb": 1000}, tmp_path)
+    shared.written.write_text(RESULTS)
+    shared.publish([509, 45_569, 69_867])  # the plans' batches, with what their compiles timed
+    monkeypatch.setenv(SHARED_AUTOTUNE_ENV, str(shared.shared))
+    read_shared_autotune()
+    assert [timed_by_plans(b) for b in (69_867, 71_265, 509)] == [True, False, True]
+    monkeypatch.setenv(SHARED_AUTOTUNE_ENV, str(tmp_path / "none.txt"))  # nothing published when this one began
+    read_shared_autotune()
+    assert not timed_by_plans(69_867)
+
+
+def test_a_gpu_probe_ends_at_its_first_refusal_only_where_xla_times_no_kernel_of_its_step(tmp_path, monkeypatch):
+    # On a GPU (no lab limit) whose autotuner is on, XLA can be refused scratch while it times a kernel and go on
+    # with another: the probe keeps TensorFlow's retry, unless the plans timed every kernel of its batch. The
+    # device is the seam (this machine has no GPU); the watch itself ends lab mode's probes (test_batch_search.py).
+    import tfmem_widgets.search.warm as warm
+    import tfmem_widgets.tf.devices as devices
+    import tfmem_widgets.tf.lab as lab
+    from tfmem_widgets.search.probe import _end_at_first_refusal
+    from tfmem_widgets.tf.dump_place import DUMP_ENV
+
+    monkeypatch.setenv(DUMP_ENV, str(tmp_path / "dump"))
+    monkeypatch.setattr(lab, "lab_limit_bytes", lambda: None)
+    monkeypatch.setattr(devices, "xla_autotune_level", lambda flags=None: None)  # (XLA's default: on)
+    monkeypatch.setattr(warm, "_planned_here", frozenset({69_867}))
+    assert _end_at_first_refusal(71_265) is None
+    watch = _end_at_first_refusal(69_867)
+    assert watch is not None
+    watch.set()  # (the watch ends with the probe's fit)
+    monkeypatch.setattr(devices, "xla_autotune_level", lambda flags=None: "0")
+    watch = _end_at_first_refusal(71_265)
+    assert watch is not None
+    watch.set()

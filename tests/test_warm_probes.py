@@ -179,17 +179,17 @@ def test_a_search_says_its_probes_read_the_plans_timings_only_where_a_probe_bega
     from tfmem_widgets.search.batch_search import BatchSearch
 
     monkeypatch.setattr(SharedAutotune, "of", staticmethod(lambda env, setup, work: SharedAutotune(work)))
-    monkeypatch.setattr(SharedAutotune, "publish", lambda self: setattr(self, "kernels", 7))
+    monkeypatch.setattr(SharedAutotune, "publish", lambda self, batches=(): setattr(self, "kernels", 7))
     said = "the probes begun after the plans read the 7 kernel timings XLA's autotuner made while the plans compiled"
     search = BatchSearch([], 1, 1024, 2, 0.0, 0.02, where="lab mode 64 MB", lab=True,
                          _run=(_functions(), SETUP, {}, 240))
     with warm.probing(search) as probe_one:
         assert probe_one.plans_env["XLA_FLAGS"].endswith("autotune-plans.txt")  # the planning process writes them
         probe_one(32, ahead=False)
-        probe_one.plans_done()
+        probe_one.plans_done(None)
     assert not any(note.startswith(said) for note in search.notes)
     with warm.probing(search) as probe_one:
-        probe_one.plans_done()
+        probe_one.plans_done(None)
         probe_one(32, ahead=False)
     assert sum(note.startswith(said) for note in search.notes) == 1, search.notes
 

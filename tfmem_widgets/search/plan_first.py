@@ -3,7 +3,9 @@
 ``max_batch_size(method="plan")`` runs ``plans/largest.largest_planned_batch`` in one fresh process set
 up like the probes, then probes its answer and the batch just past it: side by side where the machine
 has room for both (``warm.room_for_two``), begun while the closing plan compiles where the plans close
-in from above. More probes only where they disagree with the plans.
+in from above. On a GPU whose autotuner is on, the probes read what the plans' compiles timed
+(``warm.SharedAutotune``): the plans then compile the batch past their answer too, and the probes begin
+after them. More probes only where they disagree with the plans.
 """
 
 from __future__ import annotations
@@ -139,11 +141,15 @@ def _plans(search, probe_one, progress, auto: bool):
         if read is not None:
             _show_probing(search, progress, batches)
 
-    found = _run_plans(search, probe_one.path, xla_only=auto, closing_plan=pair is None,
-                       closing_aim=None if begin_pair is None else str(aim_file), each_tick=closing_begun,
-                       then=lambda: "the probes begun meanwhile decide" if early and early[2] else "probes only",
-                       env=getattr(probe_one, "plans_env", None))
-    getattr(probe_one, "plans_done", lambda: None)()  # (what the plans' compiles timed, the probes' from now)
+    # Where the probes read what the plans' compiles timed (a GPU's autotuner on: warm.SharedAutotune), the plans
+    # compile the batch past their answer too, so that its probe times nothing either, and no probe begins before
+    # the plans have ended (it would read nothing).
+    shared = getattr(probe_one, "plans_env", None)
+    found = _run_plans(search, probe_one.path, xla_only=auto, closing_plan=pair is None or shared is not None,
+                       closing_aim=None if begin_pair is None or shared is not None else str(aim_file),
+                       each_tick=closing_begun, env=shared,
+                       then=lambda: "the probes begun meanwhile decide" if early and early[2] else "probes only")
+    getattr(probe_one, "plans_done", lambda found: None)(found)  # (what the plans timed, the probes' from now)
     search.plan_seconds = time.perf_counter() - started
     if early is not None:  # how long the pair ran beside the plans, at most
         batches, began, read = early
@@ -258,6 +264,8 @@ def _confirm(search, found, probe_one, progress, probe, max_probes: int) -> str:
         why = (f"batch {proven:,} was not probed: its plan needs {format_bytes(found.proven_bytes)} by its bytes alone, "
                f"over the {format_bytes(found.limit_bytes)} limit (a step never takes less than its plan)")
     past = min(search.high, answer + step)
+    if getattr(probe_one, "plans_env", None) is not None and found.failure is not None and answer < found.failure < past:
+        past = found.failure  # the batch past the answer that the plans compiled: its probe reads every kernel's timing
     last = answer >= search.high or (proven is not None and answer < proven <= answer + step)  # no probe past it
     pair = getattr(probe_one, "pair", None)
     if not last and pair is not None:

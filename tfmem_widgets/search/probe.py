@@ -124,7 +124,7 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
         return ProbeRefused(f"make_batch({batch}) returned what a tf.data.Dataset cannot hold "
                             f"({type(exc).__name__}: {cause_line(exc)}); return arrays or tensors")
     started = time.perf_counter()
-    ending = _end_at_first_refusal() if getattr(model, "jit_compile", None) is True else None
+    ending = _end_at_first_refusal(batch) if getattr(model, "jit_compile", None) is True else None
     try:
         with measure() as m:
             model.fit(steps_data, epochs=1, verbose=0)
@@ -150,22 +150,24 @@ REFUSED_EXIT = 75  # an XLA probe's process ends with this code at its allocator
 REFUSED = "ended at the allocator's first refusal"
 
 
-def _end_at_first_refusal():
-    """For a step that is one XLA program, in lab mode or on a GPU with XLA's autotuner off: end the
+def _end_at_first_refusal(batch: int):
+    """For a step that is one XLA program, in lab mode or on a GPU where XLA times no kernel of it (its
+    autotuner off, or every kernel at `batch` timed by the search's plans: warm.timed_by_plans): end the
     probe's process at the allocator's first refusal (its first dump), not after TensorFlow's 10 s
     retry: nothing else of the step runs while the program waits, so nothing frees memory for the
     retry. A graph step's other ops do free memory meanwhile (its probes keep the retry), and on a GPU
-    whose autotuner is on, XLA can be refused scratch while it compiles and go on with another kernel
-    (its probes run to TensorFlow's own end). Returns the event that stops the watch (None: none)."""
+    where the autotuner times a kernel, XLA can be refused scratch while it compiles and go on with
+    another (its probes run to TensorFlow's own end). Returns the event that stops the watch (None: none)."""
     import os
     import threading
 
     from ..tf import dump_place
     from ..tf.devices import xla_autotune_level
     from ..tf.lab import lab_limit_bytes
+    from .warm import timed_by_plans
 
     prefix = dump_place.current_prefix()
-    if not prefix or (lab_limit_bytes() is None and xla_autotune_level() != "0"):
+    if not prefix or (lab_limit_bytes() is None and xla_autotune_level() != "0" and not timed_by_plans(batch)):
         return None
     before = set(dump_place.dump_files(prefix))
     done = threading.Event()

@@ -18,7 +18,8 @@ compiles.
 
 On a GPU the probes read what XLA's autotuner timed while the plans compiled (``SharedAutotune``):
 a probe at a planned batch then compiles its step without timing its kernels again (the autotuner's
-seconds of trials, and its scratch on the card); a kernel of other shapes is timed as before.
+seconds of trials, and its scratch on the card), so it ends at its allocator's first refusal, as in lab
+mode (search/probe.py); a kernel of other shapes is timed as before.
 
 The processes are the search's: closing it (the search's end, an error, Ctrl-C) kills every one
 it started, waiting or probing; a waiting process also ends by itself when its parent is gone.
@@ -53,6 +54,7 @@ MIN_CORES = 2
 # reads it as a probe's work begins: XLA reads its flags at its first compile).
 SHARED_AUTOTUNE_ENV = "TFMEM_AUTOTUNE_FROM"
 DUMP_AUTOTUNE, LOAD_AUTOTUNE = "--xla_gpu_dump_autotune_results_to", "--xla_gpu_load_autotune_results_from"
+PLANNED_BATCHES = "autotune-batches.txt"  # beside the shared results: the batches the plans compiled
 
 WARM_CODE = """
 from pathlib import Path
@@ -287,6 +289,7 @@ class SharedAutotune:
 
     def __init__(self, work: Path):
         self.written, self.shared = work / "autotune-plans.txt", work / "autotune.txt"
+        self.planned = work / PLANNED_BATCHES  # the batches whose programs the plans compiled (one a line)
         self.kernels = 0  # the kernel timings published (0: none yet)
         self.read_by = 0  # the probes begun since (WarmProbes.begin)
 
@@ -308,10 +311,12 @@ class SharedAutotune:
     def probes_env(self, env: dict) -> dict:
         return {**env, SHARED_AUTOTUNE_ENV: str(self.shared)}
 
-    def publish(self) -> None:
-        """The plans' results put where the probes read them (nothing where none were written), and
+    def publish(self, batches=()) -> None:
+        """The plans' results put where the probes read them (nothing where none were written), with the
+        batches the plans compiled (a probe at one of them finds every kernel of its step timed), and
         `kernels` set to how many kernel timings they hold."""
         if self.written.is_file():
+            self.planned.write_text("".join(f"{batch}\n" for batch in batches))
             os.replace(self.written, self.shared)
             self.kernels = sum(line.startswith("results {") for line in self.shared.read_text().splitlines())
 
@@ -321,13 +326,28 @@ def _child_flags(env: dict) -> str:
     return env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 
 
+_planned_here: frozenset[int] = frozenset()  # the batches whose every kernel this process reads timed
+
+
 def read_shared_autotune() -> None:
     """In a search's fresh process as its work begins: XLA told to read the autotune results of the
-    search's plans, where they were published (SharedAutotune), before its first compile."""
+    search's plans, where they were published (SharedAutotune), before its first compile; the batches
+    the plans compiled kept for timed_by_plans."""
+    global _planned_here
+    _planned_here = frozenset()
     shared = os.environ.pop(SHARED_AUTOTUNE_ENV, None)
     if shared and os.path.isfile(shared):
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} {LOAD_AUTOTUNE}={shared}".strip()
+        planned = Path(shared).with_name(PLANNED_BATCHES)
+        _planned_here = frozenset(int(line) for line in planned.read_text().split()) if planned.is_file() else frozenset()
+
+
+def timed_by_plans(batch: int) -> bool:
+    """Whether this process reads the timing of every kernel of its step at `batch`: the search's plans
+    compiled that batch's program and their results were published before this probe began (its
+    compile then times nothing, nor takes the autotuner's scratch on the card)."""
+    return batch in _planned_here
 
 
 @contextlib.contextmanager
@@ -373,8 +393,9 @@ def probing(search, pairs: bool = False):
         probe_one.path = warm.path  # the functions, for a plan search in a process of the same setup
         probe_one.plans_env = None if warm.autotune is None else warm.autotune.plans_env(env)
 
-        # the planning process has ended: its autotune results are the probes' from now
-        probe_one.plans_done = (lambda: None) if warm.autotune is None else warm.autotune.publish
+        # the planning process has ended: its autotune results are the probes' from now, with its plans' batches
+        probe_one.plans_done = (lambda found: None) if warm.autotune is None else \
+            (lambda found: warm.autotune.publish(() if found is None else [p.batch_size for p in found.plans]))
         probe_one.pair = pair if pairs else None
         probe_one.begin_pair = begin_pair if pairs else None
         yield probe_one

@@ -1,19 +1,20 @@
 """What XLA's autotuner timed while a search's plans compiled, read by the probes begun after them
 (search/warm.SharedAutotune): which searches share, the flags each process is given, and what a probe's
-process reads as its work begins. XLA's own dump and load run on a GPU only (tests/test_gpu.py)."""
+process reads as its work begins (search/probe.read_shared_autotune). XLA's own dump and load run on a GPU
+only (tests/test_gpu.py)."""
 
 import os
 
 import pytest
 
-from tfmem_widgets.search.warm import (
+from tfmem_widgets.search.probe import (
     DUMP_AUTOTUNE,
     LOAD_AUTOTUNE,
     SHARED_AUTOTUNE_ENV,
-    SharedAutotune,
     read_shared_autotune,
     timed_by_plans,
 )
+from tfmem_widgets.search.warm import SharedAutotune
 
 RESULTS = 'version: 3\nresults {\n  device: "CUDA: 9.0"\n  hlo: "a"\n}\nresults {\n  device: "CUDA: 9.0"\n  hlo: "b"\n}\n'
 
@@ -81,21 +82,20 @@ def test_a_gpu_probe_ends_at_its_first_refusal_only_where_xla_times_no_kernel_of
     # On a GPU (no lab limit) whose autotuner is on, XLA can be refused scratch while it times a kernel and go on
     # with another: the probe keeps TensorFlow's retry, unless the plans timed every kernel of its batch. The
     # device is the seam (this machine has no GPU); the watch itself ends lab mode's probes (test_batch_search.py).
-    import tfmem_widgets.search.warm as warm
+    import tfmem_widgets.search.probe as probe
     import tfmem_widgets.tf.devices as devices
     import tfmem_widgets.tf.lab as lab
-    from tfmem_widgets.search.probe import _end_at_first_refusal
     from tfmem_widgets.tf.dump_place import DUMP_ENV
 
     monkeypatch.setenv(DUMP_ENV, str(tmp_path / "dump"))
     monkeypatch.setattr(lab, "lab_limit_bytes", lambda: None)
     monkeypatch.setattr(devices, "xla_autotune_level", lambda flags=None: None)  # (XLA's default: on)
-    monkeypatch.setattr(warm, "_planned_here", frozenset({69_867}))
-    assert _end_at_first_refusal(71_265) is None
-    watch = _end_at_first_refusal(69_867)
+    monkeypatch.setattr(probe, "_planned_here", frozenset({69_867}))
+    assert probe._end_at_first_refusal(71_265) is None
+    watch = probe._end_at_first_refusal(69_867)
     assert watch is not None
     watch.set()  # (the watch ends with the probe's fit)
     monkeypatch.setattr(devices, "xla_autotune_level", lambda flags=None: "0")
-    watch = _end_at_first_refusal(71_265)
+    watch = probe._end_at_first_refusal(71_265)
     assert watch is not None
     watch.set()

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from tfmem_widgets.errors import FreshRunError
-from tfmem_widgets.search.probe import probe_in_fresh_process
-from tfmem_widgets.search.warm import LOAD_AUTOTUNE, SharedAutotune, WarmProbes
+from tfmem_widgets.search.probe import LOAD_AUTOTUNE, probe_in_fresh_process
+from tfmem_widgets.search.warm import SharedAutotune, WarmProbes
 
 SETUP = {"lab_mb": 64}
 

@@ -27,7 +27,7 @@ def main(work: str) -> int:
 
     if job.get("start_when") is not None and not wait_warm(Path(job["start_when"]), job["setup"], job["parent"]):
         return 3  # the process that started this one is gone: nothing to do
-    from ..search.warm import read_shared_autotune
+    from ..search.probe import read_shared_autotune
 
     read_shared_autotune()  # a search's probe: what its plans' compiles timed, where published by now
     if job["setup"] is not None:

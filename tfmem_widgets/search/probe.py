@@ -9,6 +9,7 @@ line why the user's functions could not be probed); how a process died is a fiel
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Mapping
@@ -16,6 +17,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ArgumentError, FreshRunError
+
+# What a search's probe reads of its plans (search/warm.SharedAutotune publishes it, on a GPU): XLA's autotune
+# results, in the file this variable names (read as the probe's work begins: XLA reads its flags at its first
+# compile), and beside them the batches the plans compiled.
+SHARED_AUTOTUNE_ENV = "TFMEM_AUTOTUNE_FROM"
+DUMP_AUTOTUNE, LOAD_AUTOTUNE = "--xla_gpu_dump_autotune_results_to", "--xla_gpu_load_autotune_results_from"
+PLANNED_BATCHES = "autotune-batches.txt"
 
 
 @dataclass(frozen=True)
@@ -146,25 +154,47 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
                  limit_source=found.source)
 
 
+_planned_here: frozenset[int] = frozenset()  # the batches whose every kernel this process reads timed
+
+
+def read_shared_autotune() -> None:
+    """In a search's fresh process as its work begins: XLA told to read the autotune results of the
+    search's plans, where they were published (warm.SharedAutotune), before its first compile; the batches
+    the plans compiled kept for timed_by_plans."""
+    global _planned_here
+    _planned_here = frozenset()
+    shared = os.environ.pop(SHARED_AUTOTUNE_ENV, None)
+    if shared and os.path.isfile(shared):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {LOAD_AUTOTUNE}={shared}".strip()
+        planned = Path(shared).with_name(PLANNED_BATCHES)
+        _planned_here = frozenset(int(line) for line in planned.read_text().split()) if planned.is_file() else frozenset()
+
+
+def timed_by_plans(batch: int) -> bool:
+    """Whether this process reads the timing of every kernel of its step at `batch`: the search's plans
+    compiled that batch's program and their results were published before this probe began (its
+    compile then times nothing, nor takes the autotuner's scratch on the card)."""
+    return batch in _planned_here
+
+
 REFUSED_EXIT = 75  # an XLA probe's process ends with this code at its allocator's first refusal (see below)
 REFUSED = "ended at the allocator's first refusal"
 
 
 def _end_at_first_refusal(batch: int):
     """For a step that is one XLA program, in lab mode or on a GPU where XLA times no kernel of it (its
-    autotuner off, or every kernel at `batch` timed by the search's plans: warm.timed_by_plans): end the
+    autotuner off, or every kernel at `batch` timed by the search's plans: timed_by_plans): end the
     probe's process at the allocator's first refusal (its first dump), not after TensorFlow's 10 s
     retry: nothing else of the step runs while the program waits, so nothing frees memory for the
     retry. A graph step's other ops do free memory meanwhile (its probes keep the retry), and on a GPU
     where the autotuner times a kernel, XLA can be refused scratch while it compiles and go on with
     another (its probes run to TensorFlow's own end). Returns the event that stops the watch (None: none)."""
-    import os
     import threading
 
     from ..tf import dump_place
     from ..tf.devices import xla_autotune_level
     from ..tf.lab import lab_limit_bytes
-    from .warm import timed_by_plans
 
     prefix = dump_place.current_prefix()
     if not prefix or (lab_limit_bytes() is None and xla_autotune_level() != "0" and not timed_by_plans(batch)):

@@ -40,7 +40,7 @@ from pathlib import Path
 from ..fresh.transport import tell_batch
 from ..text import RunNote
 from ..units import format_bytes
-from .probe import Probe, probe_outcome, ran_past
+from .probe import DUMP_AUTOTUNE, LOAD_AUTOTUNE, PLANNED_BATCHES, SHARED_AUTOTUNE_ENV, Probe, probe_outcome, ran_past
 
 # What a TensorFlow process takes beside its allocator's limit: on a GPU its CUDA context and cuBLAS'
 # and cuDNN's workspaces, on the host its Python, libraries and kernels' scratch (lab mode's limit is
@@ -50,11 +50,6 @@ BESIDES_THE_POOL = 2 << 30
 # beside it (ahead=False); on 1 they would only take turns.
 MIN_CORES = 2
 
-# The file of XLA's autotune results a search's probes read, where the plans' process wrote one (fresh_child
-# reads it as a probe's work begins: XLA reads its flags at its first compile).
-SHARED_AUTOTUNE_ENV = "TFMEM_AUTOTUNE_FROM"
-DUMP_AUTOTUNE, LOAD_AUTOTUNE = "--xla_gpu_dump_autotune_results_to", "--xla_gpu_load_autotune_results_from"
-PLANNED_BATCHES = "autotune-batches.txt"  # beside the shared results: the batches the plans compiled
 
 WARM_CODE = """
 from pathlib import Path
@@ -284,8 +279,8 @@ class WarmProbes:
 class SharedAutotune:
     """XLA's autotune results of a search's plans, read by its probes: the planning process writes what
     its compiles timed (plans_env: XLA dumps them after each compile), and once it has ended, publish()
-    puts them where every probe begun after that reads them (probes_env), whole: a probe begun while the
-    plans compile reads nothing and times its own."""
+    puts them where every probe begun after that reads them (probes_env; probe.read_shared_autotune in the
+    probe's process), whole: a probe begun while the plans compile reads nothing and times its own."""
 
     def __init__(self, work: Path):
         self.written, self.shared = work / "autotune-plans.txt", work / "autotune.txt"
@@ -324,30 +319,6 @@ class SharedAutotune:
 def _child_flags(env: dict) -> str:
     """The XLA_FLAGS a fresh process started with `env` has (env's own, else this process's)."""
     return env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-
-
-_planned_here: frozenset[int] = frozenset()  # the batches whose every kernel this process reads timed
-
-
-def read_shared_autotune() -> None:
-    """In a search's fresh process as its work begins: XLA told to read the autotune results of the
-    search's plans, where they were published (SharedAutotune), before its first compile; the batches
-    the plans compiled kept for timed_by_plans."""
-    global _planned_here
-    _planned_here = frozenset()
-    shared = os.environ.pop(SHARED_AUTOTUNE_ENV, None)
-    if shared and os.path.isfile(shared):
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} {LOAD_AUTOTUNE}={shared}".strip()
-        planned = Path(shared).with_name(PLANNED_BATCHES)
-        _planned_here = frozenset(int(line) for line in planned.read_text().split()) if planned.is_file() else frozenset()
-
-
-def timed_by_plans(batch: int) -> bool:
-    """Whether this process reads the timing of every kernel of its step at `batch`: the search's plans
-    compiled that batch's program and their results were published before this probe began (its
-    compile then times nothing, nor takes the autotuner's scratch on the card)."""
-    return batch in _planned_here
 
 
 @contextlib.contextmanager

@@ -659,6 +659,34 @@ def test_where_the_probes_read_the_plans_timings_the_batch_past_the_answer_is_pl
     assert events[-1] == ("pair", 117_000, 119_340) and search.edge == (117_000, 119_340)
 
 
+def test_a_search_sharing_its_plans_timings_plans_and_probes_the_batch_past_its_answer_in_real_processes(monkeypatch):
+    # Lab mode stands in for a GPU whose autotuner is on: warm.SharedAutotune is forced on, and since XLA on a CPU
+    # writes no autotune results, its publish() first writes one as XLA on a GPU would. In real processes the plans
+    # compile the batch past their answer, the probes begin after them, and what they read names the plans' batches.
+    from tfmem_widgets.search import warm
+
+    published = []
+    publish = warm.SharedAutotune.publish
+
+    def written_then_published(self, batches=()):
+        self.written.write_text('results {\n  hlo: "a"\n}\n')
+        publish(self, batches)
+        published.append(self.planned.read_text().split())
+
+    monkeypatch.setattr(warm.SharedAutotune, "of", staticmethod(lambda env, setup, work: warm.SharedAutotune(work)))
+    monkeypatch.setattr(warm.SharedAutotune, "publish", written_then_published)
+    search = tfmem_widgets.max_batch_size(*search_functions(jit=True), setup={"lab_mb": 128}, high=16384,
+                                          progress=False, method="plan")
+    planned = [p.batch_size for p in search.plans]
+    answer, past = (p.batch for p in search.probes[:2])
+    assert answer == search.plan_answer and answer < past <= answer + -(-answer * search.resolution // 1)
+    assert past in planned, (planned, past)  # the closing plan at the batch past the answer
+    assert published == [[str(b) for b in planned]]  # once, after the plans, with every batch they compiled
+    assert any(note.startswith("the probes begun after the plans read the 1 kernel timings") for note in search.notes)
+    assert not any("probed while the plan at" in note for note in search.notes)  # none begun while they compiled
+    assert not _children()
+
+
 def test_a_closing_plans_two_probes_begin_while_it_compiles_and_stand_whatever_it_says(monkeypatch, tmp_path):
     # The planning process is the seam, as above: the fake one tells its closing plan where
     # search_in_process does (largest_planned_batch's closing()), lets the search look (each_tick), then

@@ -4,6 +4,7 @@ what the guard traces alone to find a graph step's tensors of 2^31 elements."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from . import hlo
@@ -26,7 +27,8 @@ def compile_step(model, specs, device: str, compile: bool = True):
     function = tf.function(one_step_on_data, jit_compile=compile, reduce_retracing=False)
     with tf.device(device), ScopeRecorder() as scopes:
         started = time.perf_counter()
-        concrete = function.get_concrete_function(specs)
+        with custom_gradients_let_go():
+            concrete = function.get_concrete_function(specs)
         traced = time.perf_counter()
         if not compile:
             return None, concrete, traced - started, 0.0, scopes.scopes
@@ -36,3 +38,22 @@ def compile_step(model, specs, device: str, compile: bool = True):
             stage="optimized_hlo_proto_serialized")
         compiled = time.perf_counter()
     return hlo.hlo_proto(serialized), concrete, traced - started, compiled - traced, scopes.scopes
+
+
+@contextlib.contextmanager
+def custom_gradients_let_go():
+    """TensorFlow registers each graph-mode ``tf.custom_gradient`` (Keras' losses and activations use it) under a
+    fresh name in its process-wide gradient registry (tensorflow/python/ops/custom_gradient.py), and that
+    registered function holds the traced graph, its captures and so the model's variables: a planned copy of a
+    model would stay in the pool for the process's life. The names registered while the step is traced are
+    dropped after it: its gradients were taken in the trace, and nothing differentiates the planned step again."""
+    from tensorflow.python.framework import ops
+
+    registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
+    before = set(registry) if isinstance(registry, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for name in [n for n in registry if n not in before and n.startswith("CustomGradient-")]:
+                registry.pop(name, None)

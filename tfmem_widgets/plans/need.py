@@ -27,6 +27,7 @@ from ..errors import ArgumentError
 from ..readings.fit_context import FitContext
 from ..text import marked
 from ..units import format_bytes
+from .copy import model_copy
 from .fit import held_beside
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
 
@@ -110,25 +111,8 @@ EARLY_SECONDS = 15.0  # an early plan's search stops after this long: the cell i
 
 
 def cpu_copy(model):
-    """The model rebuilt on the CPU for planning: its layers from its config (weights made anew,
-    never copied), compiled the way it was. A model Keras cannot rebuild from its config raises
-    ArgumentError."""
-    import keras
-    import tensorflow as tf
-
-    try:
-        config = model.get_compile_config()
-        with tf.device("/CPU:0"):
-            copy = keras.models.clone_model(model)
-            if config:
-                copy.compile_from_config(config)
-    except Exception as exc:  # a subclassed model without get_config, a custom compile
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ArgumentError(f"plan: the model could not be rebuilt on the CPU to plan it ({type(exc).__name__}: "
-                            f"{first})") from None
-    if getattr(copy, "optimizer", None) is None:
-        raise ArgumentError("plan: the model's copy on the CPU has no optimizer (a compile Keras cannot repeat)")
-    return copy
+    """The model rebuilt on the CPU for planning (plans/copy.py); ArgumentError where Keras cannot rebuild it."""
+    return model_copy(model)
 
 
 def early_need(fit: FitContext, *, seconds: float = EARLY_SECONDS) -> StepNeed:
@@ -181,9 +165,9 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
 
     seconds = NEED_SECONDS if seconds is None else seconds
     if fit.replicas != 1:
-        return StepNeed(fit.batch_size, note=f"a fit on {fit.replicas} replicas: plans are of one device's step; "
-                        "plan one replica's: the same model built without the strategy, with tfmem_widgets.plan at "
-                        f"{fit.batch_size:,} / {fit.replicas} = {fit.batch_size // fit.replicas:,} rows")
+        return StepNeed(fit.batch_size, note=f"a fit on {fit.replicas} replicas: the batch that fits is searched on one "
+                        "device's step; tfmem_widgets.plan(model, sample, "
+                        f"{fit.batch_size:,}) plans each replica's share of this batch")
     if planner is None and not (device := device_of(fit.model)).startswith("CPU"):
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()

@@ -26,7 +26,8 @@ from ..tf.allocator import GrowingPool, rounded, takes_whole, worst_take
 from ..tf.devices import xla_autotune_level
 from ..units import MiB, format_bytes
 from . import aborts, hlo
-from .sample import check_sample
+from .replicas import plan_replicas, replicas_of
+from .sample import batch_specs, check_sample
 from .step import compile_step
 
 
@@ -330,30 +331,6 @@ def _xla_settings(device: str) -> tuple[str, str]:
                    "for the program compiled the same way")
 
 
-def batch_specs(sample, batch_size: int):
-    """`sample` (x, y) in any structure Keras takes, as TensorSpecs of `batch_size` rows. Floating
-    arrays become Keras' floatx, as its array adapter casts them; TensorSpecs keep their dtype."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    def spec(leaf):
-        if leaf is None:
-            return None
-        if isinstance(leaf, tf.TensorSpec):
-            shape, dtype = leaf.shape, leaf.dtype
-        else:
-            leaf = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
-            shape, dtype = tf.TensorShape(leaf.shape), tf.as_dtype(leaf.dtype)
-            if dtype.is_floating and dtype.name != keras.config.floatx():
-                dtype = tf.as_dtype(keras.config.floatx())
-        if shape.rank is None or shape.rank == 0:
-            raise ArgumentError(f"plan: each part of the sample needs a leading (batch) axis; one has shape {shape}.")
-        return tf.TensorSpec([batch_size, *shape.as_list()[1:]], dtype)
-
-    return keras.tree.map_structure(spec, sample)
-
-
 def _nbytes(shape, dtype) -> int:
     import tensorflow as tf
 
@@ -418,6 +395,8 @@ def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = T
     from .timeline import timeline_of
 
     batch_size = check_sample(model, sample, batch_size, build)
+    if replicas_of(model) > 1:  # (nothing of the model built: its copy is planned, one replica's step)
+        return plan_replicas(model, sample, batch_size, plan)
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)

@@ -1,5 +1,5 @@
 """A plan's model and sample checked before anything is built or traced, each fault in one line that says
-what is wrong with it: a model built under a strategy, a sample that is not (x, y), targets that are None, a
+what is wrong with it: a sample that is not (x, y), targets that are None, a
 ragged or unknown axis, a width the model does not take, an unbuilt model the sample would build. TensorFlow's
 and XLA's own words there are raw or point elsewhere, and a model built from a wrong sample stays wrong for the
 user's fit."""
@@ -13,7 +13,7 @@ from ..errors import ArgumentError
 
 def check_sample(model, sample, batch_size, build: bool) -> int:
     """The batch size as an int (NumPy's integers too); ArgumentError (one line) where `sample` cannot stand
-    for the fit's data, or the model cannot be planned as it is."""
+    for the fit's data, or the model cannot be planned as it is. Nothing of the model is built here."""
     import keras
     import tensorflow as tf
 
@@ -25,16 +25,6 @@ def check_sample(model, sample, batch_size, build: bool) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ArgumentError(f"plan: batch_size must be a whole number of at least 1, got {batch_size!r}.")
 
-    replicas = _replicas(model)
-    if replicas > 1:  # (checked before anything of the model is built: a half-built optimizer breaks its fit)
-        jit = getattr(model, "jit_compile", None)
-        raise ArgumentError(
-            f"plan: the model was built under {type(model.distribute_strategy).__name__} ({replicas} replicas), whose "
-            "variables live on each replica's device: plan one replica's step instead, the same model built without "
-            f"the strategy and compiled with jit_compile={jit!r} as this one was"
-            + (" (its step runs without XLA, as Keras compiles one under tf.distribute unless told jit_compile=True: "
-               "that plan is an estimate)" if jit is not True else "")
-            + f", at the global batch divided by {replicas}; MemoryCallback measures each replica's peak in the fit.")
     if not isinstance(sample, (tuple, list)) or len(sample) not in (2, 3):
         got = f"a {len(sample)}-tuple" if isinstance(sample, (tuple, list)) else type(sample).__name__
         raise ArgumentError(f"plan: sample must be (x, y) or (x, y, sample_weight), as fit takes them; got {got}.")
@@ -73,8 +63,25 @@ def _check_width(model, x) -> None:
                             f"{tuple(inputs[0].shape)}: give a sample of the fit's data.")
 
 
-def _replicas(model) -> int:
-    try:
-        return int(model.distribute_strategy.num_replicas_in_sync)
-    except Exception:  # a Keras without the attribute: one device
-        return 1
+def batch_specs(sample, batch_size: int):
+    """`sample` (x, y) in any structure Keras takes, as TensorSpecs of `batch_size` rows. Floating
+    arrays become Keras' floatx, as its array adapter casts them; TensorSpecs keep their dtype."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def spec(leaf):
+        if leaf is None:
+            return None
+        if isinstance(leaf, tf.TensorSpec):
+            shape, dtype = leaf.shape, leaf.dtype
+        else:
+            leaf = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
+            shape, dtype = tf.TensorShape(leaf.shape), tf.as_dtype(leaf.dtype)
+            if dtype.is_floating and dtype.name != keras.config.floatx():
+                dtype = tf.as_dtype(keras.config.floatx())
+        if shape.rank is None or shape.rank == 0:
+            raise ArgumentError(f"plan: each part of the sample needs a leading (batch) axis; one has shape {shape}.")
+        return tf.TensorSpec([batch_size, *shape.as_list()[1:]], dtype)
+
+    return keras.tree.map_structure(spec, sample)

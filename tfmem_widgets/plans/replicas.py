@@ -102,6 +102,12 @@ class ReplicaPlan(LinesText):
             raise ArgumentError("this plan knows no limit of its devices: pass limit_bytes.")
         return self.peak_bytes <= limit
 
+    def plot(self, ax=None, limit_bytes: int | None = None):
+        """Each replica's peak as a stacked bar of its shares, the limit drawn (views/plans.py)."""
+        from ..views.plans import plot_replicas
+
+        return plot_replicas(self, ax, limit_bytes)
+
     def lines(self) -> list[str]:
         varies = self.replicas[0].device.startswith("CPU")
         devices = ", ".join(r.device for r in self.replicas)

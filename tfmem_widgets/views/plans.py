@@ -122,3 +122,39 @@ def plot_fit(planned, ax, limit_bytes: int | None = None):
     ax.set_title("the whole fit", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.02))
     return ax
+
+
+
+def plot_replicas(planned, ax=None, limit_bytes: int | None = None):
+    """A ReplicaPlan (plans/replicas.py) drawn: one stacked bar per replica of its shares (variables, data,
+    pipeline, batches, the larger of its step and its all-reduce), or, where the replicas share one allocator,
+    one bar of them all; the limit of the busiest replica's device (or of the shared pool) drawn."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.4))
+    names = ("variables", "the data", "the input pipeline", "batches", "step or all-reduce")
+    bars = [list(planned.replicas)] if planned.shared_pool else [[r] for r in planned.replicas]
+    for x, replicas in enumerate(bars):
+        bottom = 0
+        for replica in replicas:
+            batches = 0 if replica.batch_in_pipeline else replica.batch_bytes + replica.ahead_bytes
+            shares = (replica.resident_bytes, replica.data_bytes, replica.pipeline_bytes, batches,
+                      max(replica.step_bytes, replica.reduce_bytes))
+            for j, (name, size) in enumerate(zip(names, shares)):
+                if size:
+                    ax.bar(x, size / MiB, bottom=bottom / MiB, width=0.6, color=f"C{j}", edgecolor="white", label=name)
+                    bottom += size
+    limit = planned.limit_bytes if limit_bytes is None else limit_bytes
+    if limit:
+        ax.axhline(limit / MiB, color="#6a1b9a", linestyle=":", label=f"limit {format_bytes(limit)}")
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels(["one pool: " + " + ".join(r.device for r in planned.replicas)] if planned.shared_pool
+                       else [f"{r.device} ({r.rows:,} rows)" for r in planned.replicas])
+    ax.set_ylabel("MiB")
+    ax.set_title(f"{planned.strategy}, global batch {planned.global_batch:,}: each replica's peak (estimate)",
+                 fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # (each share named once)
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    return ax

@@ -21,6 +21,7 @@ from .oom.report import OomReport
 from .oom.traced import trace
 from .oom.watch import unwatch_oom, watch_oom
 from .plans.plan import StepPlan, plan
+from .plans.replicas import ReplicaPlan
 from .readings.measure import Measurement, measure
 from .readings.report import MemoryReport, report
 from .search.batch_search import BatchSearch, Probe, max_batch_size
@@ -54,6 +55,7 @@ __all__ = [
     "Probe",
     "max_batch_size",
     "StepPlan",
+    "ReplicaPlan",
     "plan",
     "FreshRun",
     "run_fresh",

@@ -375,8 +375,9 @@ def _profiles(proto, per_run, batch_size: int, index, model) -> tuple:
         return ()
 
 
-def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = True) -> StepPlan:
-    """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs, and the fit around it.
+def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = True):
+    """The train step `fit` would run at `batch_size` rows, planned by XLA before it runs, and the fit around it:
+    a StepPlan, or, for a model built under MirroredStrategy, a ReplicaPlan of each replica (plans/replicas.py).
 
     model: a compiled Keras model. sample: (x, y) as fit gets them (arrays, tensors, nested as Keras takes them:
     shapes, types, length read), or tf.TensorSpecs. build: an unbuilt model is built from the sample's shapes, as
@@ -385,6 +386,14 @@ def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = T
 
     >>> p = tfmem_widgets.plan(model, (x, y), batch_size=4096); p.step_bytes, p.fit_peak_bytes, p.fits()
     """
+    batch_size = check_sample(model, sample, batch_size, build)
+    if replicas_of(model) > 1:  # (nothing of the model built: its copy is planned, one replica's step)
+        return plan_replicas(model, sample, batch_size, plan)
+    return _plan_step(model, sample, batch_size, place)
+
+
+def _plan_step(model, sample, batch_size: int, place: bool) -> StepPlan:
+    """plan() of a model on one device, its sample checked."""
     import keras
 
     from ..tf.allocator import allocator_of_device
@@ -394,9 +403,6 @@ def plan(model, sample, batch_size: int, *, build: bool = False, place: bool = T
     from .owners import Owners, parameter_owners
     from .timeline import timeline_of
 
-    batch_size = check_sample(model, sample, batch_size, build)
-    if replicas_of(model) > 1:  # (nothing of the model built: its copy is planned, one replica's step)
-        return plan_replicas(model, sample, batch_size, plan)
     specs = batch_specs(sample, batch_size)
     built = _build_like_fit(model, specs)
     device = _device_of(model)

@@ -285,12 +285,21 @@ try:
 except Exception as error:
     refused = [type(error).__name__, str(error)]
 history = model.fit(x, y, batch_size=64, epochs=1, verbose=0)   # the user's own fit, after the plans
+with strategy.scope():   # XLA asked for: Keras' fit under the strategy cannot start, and the plan says so first
+    xla = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    xla.compile("adam", "mse", jit_compile=True)
+said = repr(tfmem_widgets.plan(xla, (x, y), 64))
+try:
+    xla.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    failed = None
+except Exception as error:
+    failed = [type(error).__name__, str(error)]
 import matplotlib
 matplotlib.use("Agg")
 ax = planned.plot()
 drawn = {"ticks": [t.get_text() for t in ax.get_xticklabels()], "legend": [t.get_text() for t in ax.get_legend().get_texts()],
          "top": max(p.get_y() + p.get_height() for p in ax.patches)}
-print(json.dumps({"kind": isinstance(planned, ReplicaPlan), "drawn": drawn, "rows": [r.rows for r in planned.replicas],
+print(json.dumps({"kind": isinstance(planned, ReplicaPlan), "drawn": drawn, "xla_said": said, "xla_failed": failed, "rows": [r.rows for r in planned.replicas],
                   "devices": [r.device for r in planned.replicas], "steps": sorted(planned.plans),
                   "resident": [r.resident_bytes for r in planned.replicas], "gradients": planned.gradient_bytes,
                   "params": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
@@ -315,6 +324,10 @@ def test_a_model_built_under_a_strategy_is_planned_per_replica_from_a_copy_and_i
     name, text = out["refused"]  # inside the strategy's scope: one line, and nothing was built
     assert name == "ArgumentError" and "\n" not in text and text.startswith("plan: called inside a strategy's scope")
     assert out["built"] and len(out["loss"]) == 1  # the optimizer was left to the fit, which trained
+    assert "FAILS before its first step" not in out["text"]
+    name, text = out["xla_failed"]
+    assert name == "InvalidArgumentError" and "Trying to access resource" in text, out["xla_failed"]
+    assert "FAILS before its first step: Keras' fit with jit_compile=True under MirroredStrategy" in out["xla_said"]
     drawn = out["drawn"]  # one bar of the pool both replicas share, its shares named once, up to the planned peak
     assert drawn["ticks"] == ["one pool: CPU:0 + CPU:1"], drawn
     assert sorted(drawn["legend"]) == sorted(["variables", "the data", "the input pipeline", "step or all-reduce",

@@ -85,6 +85,12 @@ class ReplicaPlan(LinesText):
         return True  # (a graph step each, and the all-reduce's shares assumed)
 
     @property
+    def xla_refused(self) -> bool:
+        """The fit cannot start: compiled with jit_compile=True, Keras' fit under MirroredStrategy raises before its
+        first step (TensorFlow 2.21, Keras 3.15: on two logical CPUs and on two logical GPUs of an H100)."""
+        return self.jit_compile is True
+
+    @property
     def busiest(self) -> ReplicaShare:
         return max(self.replicas, key=lambda r: r.peak_bytes)
 
@@ -140,6 +146,11 @@ class ReplicaPlan(LinesText):
             out.append(f"  {r.device} ({r.rows:,} rows): peak {marked(format_bytes(r.peak_bytes), varies)} = "
                        + " + ".join(parts))
         out.append(self._verdict(varies))
+        if self.xla_refused:
+            out.append("  FAILS before its first step: Keras' fit with jit_compile=True under MirroredStrategy has XLA compile "
+                       "the replicas' step on the first replica's device, which cannot read the other replicas' variables "
+                       "(TensorFlow: 'Trying to access resource ... located in device ...'); compile with jit_compile=False "
+                       "(or \"auto\", which is False here)")
         return out
 
     def _verdict(self, varies: bool) -> str:

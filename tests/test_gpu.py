@@ -526,6 +526,39 @@ def test_the_callback_reads_each_logical_gpu_under_mirrored_strategy_and_marks_t
     assert out["marks"] == ["epoch 1", "epoch 2", "epoch 3"]
 
 
+def test_a_mirrored_fit_on_two_logical_gpus_is_planned_per_replica():
+    # Two logical GPUs of one card, each its own allocator: the plan of each replica against the callback's
+    # per-replica peaks. A replica's step is a graph step (Keras turns XLA off under the strategy) planned by
+    # XLA: on an H100, GPU:0 -2.4% and GPU:1 +6.0% (docs/plans.md); 10% holds that, not the 2% aimed at.
+    out = fresh(
+        """
+        tfmem_widgets.setup(split=[12000, 12000])
+        import keras, numpy as np, tensorflow as tf
+        from tfmem_widgets.readings.callback import MemoryCallback
+        L = keras.layers
+        keras.utils.set_random_seed(0)
+        strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((1024,)), L.Dense(4096, activation="relu"),
+                                      L.Dense(4096, activation="relu"), L.Dense(10)])
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(3 * 8192, 1024)).astype("float32"), rng.integers(0, 10, 3 * 8192)
+        planned = tfmem_widgets.plan(model, (x, y), 8192)
+        history = model.fit(x, y, batch_size=8192, epochs=2, verbose=0, callbacks=[MemoryCallback()])
+        print(json.dumps({"planned": {r.device: r.peak_bytes for r in planned.replicas}, "text": repr(planned),
+                          "busiest": planned.busiest.device, "peak": planned.peak_bytes,
+                          "measured": {r: max(history.history[f"tfmem_peak_bytes/{r}"]) for r in ("GPU:0", "GPU:1")}}))
+        """
+    )
+    print(out["text"], out["measured"])
+    assert out["busiest"] == "GPU:0" and out["peak"] == out["planned"]["GPU:0"]  # the fit's arrays are there
+    assert out["measured"]["GPU:0"] > out["measured"]["GPU:1"]
+    for replica, planned in out["planned"].items():
+        assert abs(planned / out["measured"][replica] - 1) < 0.10, (replica, planned, out["measured"][replica])
+    assert "all-reduced by CollectiveAllReduce" in out["text"] and "the busiest replica, GPU:0" in out["text"]
+
+
 def test_the_plan_search_probes_its_answer_and_the_batch_past_it_side_by_side_under_a_limit():
     # Each probe under a 1000 MB logical device limit of its own: a card with room for both runs the plans'
     # answer and the batch just past it at once, each in a fresh process, and the edge they find is the

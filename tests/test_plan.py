@@ -299,7 +299,8 @@ matplotlib.use("Agg")
 ax = planned.plot()
 drawn = {"ticks": [t.get_text() for t in ax.get_xticklabels()], "legend": [t.get_text() for t in ax.get_legend().get_texts()],
          "top": max(p.get_y() + p.get_height() for p in ax.patches)}
-print(json.dumps({"kind": isinstance(planned, ReplicaPlan), "drawn": drawn, "xla_said": said, "xla_failed": failed, "rows": [r.rows for r in planned.replicas],
+print(json.dumps({"kind": isinstance(planned, ReplicaPlan), "drawn": drawn, "xla_said": said, "xla_failed": failed,
+                  "rows": [r.rows for r in planned.replicas],
                   "devices": [r.device for r in planned.replicas], "steps": sorted(planned.plans),
                   "resident": [r.resident_bytes for r in planned.replicas], "gradients": planned.gradient_bytes,
                   "params": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),

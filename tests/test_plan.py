@@ -366,9 +366,10 @@ def test_a_mirrored_fit_on_two_logical_cpus_holds_what_its_replicas_plan_says():
     out = run_fresh(REPLICAS_FIT, timeout=400)
     print(out["text"], out["measured"], out["in_use"])
     assert set(out["measured"]) == {"tfmem_peak_bytes/CPU:0", "tfmem_peak_bytes/CPU:1"}
-    # Between steps the pool holds each replica's variables and the arrays once, as planned, to 1%
+    # Between epochs the pool holds each replica's variables and the arrays once, as planned, and at most what the
+    # pipeline holds beside them (a batch it fetched ahead, at times): counted once, the variables are 72 MiB short
     held = sum(out["resident"]) + out["data"]
-    assert all(abs(in_use / held - 1) < 0.01 for in_use in out["in_use"]), (out["in_use"], held)
+    assert all(held <= in_use <= held + out["pipeline"] for in_use in out["in_use"]), (out["in_use"], held)
     # At the peak, two graph steps at once: the peak of each moves with the order its executor runs ops in (one
     # such step alone peaked at 72-88 MiB from run to run, where XLA plans 80.25 MiB; this fit at 365-393 MiB in
     # six runs against a plan of 401.44 MiB): the plan holds it to 12%, and is not below it by more than 2%

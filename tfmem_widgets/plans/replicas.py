@@ -227,7 +227,7 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
     if not plans:
         raise ArgumentError(f"plan: a global batch of {global_batch:,} gives no replica of {len(devices)} a row.")
     kind = cross_device_ops_of(strategy)
-    gradients = sum(_nbytes(v) for v in copy.trainable_variables)
+    gradients = plans[max(plans)].resident_parts["weights"]  # (the trainable variables' bytes: one gradient each)
     shared = all(d.startswith("CPU") for d in devices)
     data, pipeline = _data_shares(sample, plans[max(plans)], global_batch, shared)
     replicas = []
@@ -249,15 +249,6 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
                        limit.bytes, limit.source, plans, model.jit_compile)
 
 
-def _nbytes(variable) -> int:
-    import tensorflow as tf
-
-    count = 1
-    for dim in variable.shape:
-        count *= int(dim)
-    return count * tf.as_dtype(variable.dtype).size
-
-
 def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
     """(the fit's arrays as they land on the first replica's device, the input pipeline's buffers there); (None, 0)
     where the sample holds no data (TensorSpecs, or fewer rows than a batch)."""
@@ -272,7 +263,7 @@ def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
         return None, 0
     per_row = [size // planned.batch_size for size in planned.batch_sizes]
     gpu = not shared
-    arrays = sum(row * rows for row, leaf, size in zip(per_row, leaves, planned.batch_sizes)
+    arrays = sum(row * rows for row, leaf in zip(per_row, leaves)
                  if not tf.is_tensor(leaf) and not (gpu and planned.batch_sizes and _int32(leaf)))
     if not shared:
         return arrays, 0

@@ -207,6 +207,7 @@ TIERS = {
     "test_warm_probes.py": "process", "test_plan_aims.py": "unit", "test_bfc_pool.py": "unit",
     "test_errors.py": "magic", "test_readme.py": "process", "test_deaths.py": "process",
     "test_workbook_prose.py": "notebook", "test_fit_plan.py": "process", "test_shared_autotune.py": "unit",
+    "test_graph_step.py": "unit",
 }
 SLOW_TIERS = {"process", "notebook", "browser", "gpu"}
 

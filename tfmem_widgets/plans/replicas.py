@@ -19,10 +19,14 @@ rows, and adds what a replica holds beside its step:
   the same buffer (a trace of such a fit shows no copy), counted once in the pipeline's share.
 
 Keras compiles the step under ``tf.distribute`` without XLA (its ``jit_compile="auto"`` resolves to False
-there): the step each replica runs is TensorFlow's graph, so the replica's step is an estimate (XLA's program of
-the same step), and so are the shares above (assumed from TensorFlow's sources, each said so). In lab mode the
-logical CPUs share one allocator: the pool holds every replica's share at once, and that sum is the figure a
-limit is judged by.
+there): the step each replica runs is TensorFlow's graph. On a GPU the replica's step is the graph executor's
+walk of the traced step (plans/graphstep.py: it equals the step's tensors a trace of the fit shows at the peak
+on an H100); on logical CPUs, whose executor runs ops side by side on its threads, it is XLA's plan of the same
+step (lab graph steps peaked from 0.3% under it to 15% over it: no one order bounds the threads'). The first GPU also holds,
+as traces of such a fit show there (an H100, docs/plans.md), one more global batch kept as a constant beside the
+data and a third batch fetched ahead: measured, not derived, and said so. The shares are assumed from
+TensorFlow's sources, each said so. In lab mode the logical CPUs share one allocator: the pool holds every
+replica's share at once, and that sum is the figure a limit is judged by.
 """
 
 from __future__ import annotations
@@ -49,18 +53,20 @@ class ReplicaShare:
     rows: int  # its share of the global batch
     resident_bytes: int  # its copy of the variables: weights, optimizer slots, metrics
     batch_bytes: int  # its batch, the step's inputs
-    step_bytes: int  # the replica's step at its rows beyond its inputs (XLA's plan of it: an estimate)
+    step_bytes: int  # the replica's step at its rows beyond its inputs (an estimate: see step_source)
     reduce_bytes: int  # held while the gradients are all-reduced (assumed: the activations are given back by then)
     ahead_bytes: int = 0  # the next batch the distributed dataset fetched to this device
     data_bytes: int = 0  # the fit's data converted on this device (the first replica's: the default device)
     pipeline_bytes: int = 0  # the input pipeline's buffers here (lab mode: its tf.data runs in the same pool)
     batch_in_pipeline: bool = False  # its batches are slices of the pipeline's (a shared pool): counted there
+    step_source: str = "XLA's plan"  # or "the graph's walk" (a GPU: plans/graphstep.py)
+    first_extra_bytes: int = 0  # the first GPU: one more global batch and a third batch (measured in traces)
 
     @property
     def peak_bytes(self) -> int:
         """Resident, data, pipeline, its batches, and the larger of its step and its all-reduce."""
         batches = 0 if self.batch_in_pipeline else self.batch_bytes + self.ahead_bytes
-        return (self.resident_bytes + self.data_bytes + self.pipeline_bytes + batches
+        return (self.resident_bytes + self.data_bytes + self.pipeline_bytes + batches + self.first_extra_bytes
                 + max(self.step_bytes, self.reduce_bytes))
 
 
@@ -119,9 +125,10 @@ class ReplicaPlan(LinesText):
         devices = ", ".join(r.device for r in self.replicas)
         rows = sorted({r.rows for r in self.replicas}, reverse=True)
         each = " or ".join(f"{n:,}" for n in rows)
+        how = ("the graph executor's walk of one replica's traced step" if self.replicas[0].step_source != "XLA's plan"
+               else "XLA's plan of one replica's step")
         jit = ("ESTIMATE: Keras runs a step under tf.distribute without XLA (jit_compile resolves to False there), "
-               "each replica's step is XLA's plan of one replica's step"
-               if self.jit_compile is not True else "ESTIMATE: each replica's step is XLA's plan of one replica's step")
+               f"each replica's step is {how}" if self.jit_compile is not True else f"ESTIMATE: each replica's step is {how}")
         out = [f"tfmem plan: {self.strategy} over {len(self.replicas)} replicas ({devices}), global batch "
                f"{self.global_batch:,}: {each} rows each ({jit}, on a copy of the model)"]
         out.append(f"  the gradients: {format_bytes(self.gradient_bytes)} per replica, all-reduced by "
@@ -140,8 +147,12 @@ class ReplicaPlan(LinesText):
             if r.pipeline_bytes:
                 parts.append(f"the input pipeline {marked(format_bytes(r.pipeline_bytes), True, '(this machine)')}"
                              " (assumed)")
+            if r.first_extra_bytes:
+                parts.append(f"one more global batch and a third batch {format_bytes(r.first_extra_bytes)} (measured in "
+                             "traces of such fits on an H100, assumed here)")
             larger = "step" if r.step_bytes >= r.reduce_bytes else "all-reduce"
-            parts.append(f"the larger of its step {marked(format_bytes(r.step_bytes), varies)} (planned) and its "
+            source = "planned" if r.step_source == "XLA's plan" else "walked"
+            parts.append(f"the larger of its step {marked(format_bytes(r.step_bytes), varies)} ({source}) and its "
                          f"all-reduce {format_bytes(r.reduce_bytes)} (assumed): the {larger}")
             out.append(f"  {r.device} ({r.rows:,} rows): peak {marked(format_bytes(r.peak_bytes), varies)} = "
                        + " + ".join(parts))
@@ -229,6 +240,7 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
     kind = cross_device_ops_of(strategy)
     gradients = plans[max(plans)].resident_parts["weights"]  # (the trainable variables' bytes: one gradient each)
     shared = all(d.startswith("CPU") for d in devices)
+    walked = {} if shared else {rows: _graph_step(copy, sample, rows, first) for rows in plans}
     data, pipeline = _data_shares(sample, plans[max(plans)], global_batch, shared)
     replicas = []
     for k, (device, rows) in enumerate(zip(devices, rows_each)):
@@ -237,16 +249,29 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
         if planned is None:  # (a replica with no row: its variables, its share of the all-reduce)
             replicas.append(ReplicaShare(device, 0, plans[max(plans)].resident_bytes, 0, 0, held))
             continue
+        extra = 0
+        if k == 0 and data is not None and not shared:  # (one more global batch, a third batch: measured)
+            extra = global_batch * sum(size // rows for size in planned.batch_sizes) + planned.batch_bytes
         replicas.append(ReplicaShare(
-            device, rows, planned.resident_bytes, planned.batch_bytes, planned.step_bytes, held,
+            device, rows, planned.resident_bytes, planned.batch_bytes, walked.get(rows, planned.step_bytes), held,
             ahead_bytes=planned.batch_bytes if data is not None else 0, batch_in_pipeline=shared and data is not None,
-            data_bytes=(data or 0) if k == 0 else 0, pipeline_bytes=pipeline if k == 0 else 0))
+            data_bytes=(data or 0) if k == 0 else 0, pipeline_bytes=pipeline if k == 0 else 0,
+            step_source="the graph's walk" if rows in walked else "XLA's plan", first_extra_bytes=extra))
     del copy
     gc.collect()  # (the copy's variables, held in reference cycles of its traced step, leave the pool now, before a fit)
     busiest = max(replicas, key=lambda r: r.peak_bytes).device
     limit = limit_of(first if shared else busiest)
     return ReplicaPlan(type(strategy).__name__, kind, global_batch, tuple(replicas), gradients, rule, shared,
                        limit.bytes, limit.source, plans, model.jit_compile)
+
+
+def _graph_step(copy, sample, rows: int, device: str) -> int:
+    """One replica's graph step at `rows` on a GPU: the executor's walk of the traced step (no XLA compile)."""
+    from .graphstep import graph_step_peak
+    from .step import compile_step
+
+    _, concrete, _, _, _ = compile_step(copy, batch_specs(sample, rows), f"/{device}", compile=False)
+    return graph_step_peak(concrete.graph).bytes
 
 
 def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:

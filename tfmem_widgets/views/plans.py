@@ -138,7 +138,7 @@ def plot_replicas(planned, ax=None, limit_bytes: int | None = None):
     for x, replicas in enumerate(bars):
         bottom = 0
         for replica in replicas:
-            batches = 0 if replica.batch_in_pipeline else replica.batch_bytes + replica.ahead_bytes
+            batches = (0 if replica.batch_in_pipeline else replica.batch_bytes + replica.ahead_bytes) + replica.first_extra_bytes
             shares = (replica.resident_bytes, replica.data_bytes, replica.pipeline_bytes, batches,
                       max(replica.step_bytes, replica.reduce_bytes))
             for j, (name, size) in enumerate(zip(names, shares)):

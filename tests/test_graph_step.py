@@ -71,3 +71,28 @@ def test_a_tensors_bytes_come_from_its_traced_shape_and_an_unknown_shape_is_said
     shape, dtype = spec
     graph = tf.function(lambda x: x).get_concrete_function(tf.TensorSpec(shape, dtype)).graph
     assert tensor_bytes(graph.inputs[0]) == expected
+
+
+def test_a_dense_replicas_step_walks_to_the_four_tensors_a_gpu_trace_holds_at_its_peak():
+    # What plan_replicas reads on a GPU (plans/replicas.py _graph_step), here traced on the lab's CPU: the step
+    # of Dense 1024-2048-2048-10 at 2,048 rows. At its peak an H100 trace of that replica (docs/plans.md) held
+    # four 2048 x 2048 float32 tensors (the first layer's output, two input gradients, the second kernel's
+    # gradient) and bytes beside. (Narrower, the optimizer's phase is the peak: the walk stops there.)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfmem_widgets.plans.replicas import _graph_step
+
+    width = 2048
+    L = keras.layers
+    model = keras.Sequential([keras.Input((1024,)), L.Dense(width, activation="relu"), L.Dense(width, activation="relu"),
+                              L.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    model.optimizer.build(model.trainable_variables)
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    sample = (np.zeros((8, 1024), "float32"), np.zeros(8, "int64"))
+    walked = _graph_step(model, sample, width, "CPU:0")
+    four = 4 * width * width * 4
+    assert four <= walked < four + width * width, walked
+    assert tf.config.experimental.get_memory_info("CPU:0")["current"] == before  # traced only: nothing ran

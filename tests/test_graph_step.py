@@ -95,4 +95,5 @@ def test_a_dense_replicas_step_walks_to_the_four_tensors_a_gpu_trace_holds_at_it
     walked = _graph_step(model, sample, width, "CPU:0")
     four = 4 * width * width * 4
     assert four <= walked < four + width * width, walked
-    assert tf.config.experimental.get_memory_info("CPU:0")["current"] == before  # traced only: nothing ran
+    # Traced only: no step ran (its smallest tensor here is 16 MiB; the process's own small tensors may come and go)
+    assert abs(tf.config.experimental.get_memory_info("CPU:0")["current"] - before) < MiB

@@ -74,7 +74,6 @@ class _Walk:
         self.buffer_of: dict[str, str] = {}  # tensor -> its buffer (the tensor that made it)
         self.size: dict[str, int] = {}
         self.readers: dict[str, int] = {}
-        self.held: set[str] = set()
         self.live: dict[str, int] = {}
         self.bytes = 0
         self.unsized = 0
@@ -102,9 +101,7 @@ class _Walk:
         self.buffer_of[tensor.name] = tensor.name
         self.size[tensor.name] = size
         self.readers[tensor.name] = uses
-        if op.type in HELD:
-            self.held.add(tensor.name)
-        elif size:
+        if size and op.type not in HELD:
             self.live[tensor.name] = size
             self.bytes += size
 
@@ -117,9 +114,9 @@ class _Walk:
 
     def release(self, buffer: str) -> None:
         self.readers[buffer] -= 1
-        self._free_if_unread(buffer)
+        self.free_if_unread(buffer)
 
-    def _free_if_unread(self, buffer: str) -> None:
+    def free_if_unread(self, buffer: str) -> None:
         if self.readers[buffer] <= 0 and buffer in self.live:
             self.bytes -= self.live.pop(buffer)
 
@@ -146,7 +143,7 @@ def graph_step_peak(graph, top: int = 8) -> GraphStepPeak:
         for tensor in op.inputs:
             walk.release(walk.buffer_of[tensor.name])
         for tensor in op.outputs:  # (an output nobody reads goes back at once)
-            walk._free_if_unread(walk.buffer_of[tensor.name])
+            walk.free_if_unread(walk.buffer_of[tensor.name])
         for successor in after.get(op.name, ()):
             waiting[successor.name] -= 1
             if not waiting[successor.name]:

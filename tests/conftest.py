@@ -66,15 +66,22 @@ def finish_fresh(proc: subprocess.Popen, timeout: float = 240) -> dict:
     return json.loads(lines[-1])
 
 
-def search_functions(width=1024, jit=False):
+def search_functions(width=1024, jit=False, replicas=0):
     """A batch search's build_model and make_batch (Dense 512-width-width-1, Adam, mse): defined inside
-    this function, as in a notebook, so they travel to a probe's process by value."""
+    this function, as in a notebook, so they travel to a probe's process by value. replicas: the model
+    built under a MirroredStrategy over that many logical CPUs."""
     def build_model():
-        import keras
+        import contextlib
 
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(width, activation="relu"),
-                                  keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        model.compile("adam", "mse", jit_compile=jit)
+        import keras
+        import tensorflow as tf
+
+        scope = tf.distribute.MirroredStrategy([f"/cpu:{k}" for k in range(replicas)]).scope() if replicas \
+            else contextlib.nullcontext()
+        with scope:
+            model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(width, activation="relu"),
+                                      keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+            model.compile("adam", "mse", jit_compile=jit)
         return model
 
     def make_batch(n):

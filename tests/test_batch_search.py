@@ -370,6 +370,25 @@ def test_a_failing_function_a_wrong_batch_a_model_too_big_and_a_hang_are_one_lin
         assert not _children()  # no probe process left behind
 
 
+def test_a_model_built_under_a_strategy_is_searched_from_a_row_per_replica():
+    # A batch of 1 over two replicas gives the second an empty batch, which tf.distribute's step cannot add up
+    # (an AddN of [1, 512] and [0, 512]): the search begins at one row per replica and says so; the plan search
+    # plans one device's step, so for such a model it says why the probes alone decide.
+    build_model, make_batch = search_functions(width=256, replicas=2)
+    setup = {"lab_mb": 64, "cpus": 2}
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup=setup, high=64, progress=False, method="plan")
+    assert search.probes[0].batch == 2 and search.low == 2 and search.largest == 64 and not search.failed
+    notes = [str(note) for note in search.notes]
+    assert any("runs 2 replicas, one row each at least: the search began at 2, not 1" in note for note in notes), notes
+    assert any("built under a strategy of 2 replicas" in note for note in notes), notes
+    assert not search.plans
+    with pytest.raises(ArgumentError) as caught:  # no batch to go on with: one line
+        tfmem_widgets.max_batch_size(build_model, make_batch, setup=setup, high=1, progress=False, method="probe")
+    text = str(caught.value)
+    assert "a batch of 1 leaves a replica without a row" in text and "give low=2" in text and "\n" not in text, text
+    assert not _children()
+
+
 def test_a_graph_errors_cause_is_its_line_before_the_failed_node_not_graph_execution_error():
     import tensorflow as tf
 

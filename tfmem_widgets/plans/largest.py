@@ -47,6 +47,7 @@ class PlanSearch:
     # GPU): nothing at or above it was planned, nor is it to be probed. None: no such batch up to `high`.
     aborts_from: int | None = None
     data_share: float = 0.0  # the part of a batch's bytes the fit's data holds on the device besides the step
+    replicas: int = 1  # the model's strategy's replicas: above 1, it was not planned (a search plans one device)
 
 
 # The first plan's batch (or `low`, where that is more): a prime, so its batch axis is told from a layer's width

@@ -32,7 +32,7 @@ from ..units import format_bytes
 from .arguments import check_count, check_fraction, where_words
 from .by_plans import batch_by_plans, need_by_plans
 from .next_probe import next_batch, settle_recommended
-from .probe import Probe, first_line
+from .probe import Probe, TooFewRows, first_line
 from .progress import progress_for
 from .search_text import search_lines
 from .warm import probing, room_for_two
@@ -384,7 +384,11 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
                 else low
         while batch is not None and len(search.probes) < max_probes:
             bar.probing(len(search.probes) + 1, batch)
-            probe = probe_one(batch)
+            try:
+                probe = probe_one(batch)
+            except TooFewRows as few:
+                batch = _from_replicas(search, batch, few)
+                continue
             bar.probed(len(search.probes), probe)
             if not probe.fits and (probe.stage == "build" or (batch == low and search.largest is None)):
                 what = ("the model alone does not fit: build_model() ran out of memory" if probe.stage == "build"
@@ -404,3 +408,14 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
                                         + (f"the recommended batch was measured by {search.trained_at(rec)} probe(s)"
                                            if rec is not None else "no batch is recommended")))
     return batch
+
+
+def _from_replicas(search: BatchSearch, batch: int, few: TooFewRows) -> int:
+    """The batch a search goes on from where the probe of `batch` gave a replica no row: one row per replica,
+    where nothing was probed yet and `high` allows it (the search's `low` from then); else the probe's line, raised."""
+    if search.probes or batch != search.low or few.replicas > search.high:
+        raise few
+    search.low = few.replicas
+    search.notes.append(RunNote(f"the model's strategy runs {few.replicas} replicas, one row each at least: the "
+                                f"search began at {few.replicas:,}, not {batch:,}"))
+    return few.replicas

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..fresh.transport import tell_batch
 from ..plans.largest import FreshFit, PlanSearch, largest_planned_batch
 from ..plans.plan import device_of
+from ..plans.replicas import replicas_of
 from .by_plans import held_beside
 from .probe import first_line
 
@@ -36,8 +37,9 @@ def search_in_process(path: str, low: int, high: int, resolution: float, max_pla
     build_model, make_batch = pickle.loads(Path(path).read_bytes())
     model, start = read_fit_start(build_model, make_batch)  # lab mode: the pool a probe's fit will meet, read
     jit = getattr(model, "jit_compile", None)
-    if xla_only and jit is not True:
-        return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit)
+    replicas = replicas_of(model)
+    if (xla_only and jit is not True) or replicas > 1:
+        return PlanSearch(None, None, seconds=time.perf_counter() - started, jit_compile=jit, replicas=replicas)
     sample = make_batch(min(low, 8))
     # A probe's fit builds the slots itself where build_model() left them unbuilt; on the CPU (lab mode) its first
     # step then writes the slots that shared a buffer their own (fit.slots_shared_by_fit).
@@ -154,7 +156,7 @@ def _plans(search, probe_one, progress, auto: bool):
     if early is not None:  # how long the pair ran beside the plans, at most
         batches, began, read = early
         early = (batches, started + search.plan_seconds - began, read)
-    if found is not None:
+    if found is not None and not _per_replica(search, found):
         if found.jit_compile is not True:
             search.notes.append("the model's step runs without XLA (jit_compile=False): its plan would be an "
                                 "estimate, so the search probed only" if auto else
@@ -191,6 +193,16 @@ def _run_plans(search, path, *, xla_only: bool, closing_plan: bool, closing_aim:
         return None
 
 
+def _per_replica(search, found) -> bool:
+    """Whether the model was built under a strategy of several replicas, which a plan search does not plan
+    (said in a note); plan() plans such a model per replica (plans/replicas.py)."""
+    if found.replicas > 1:
+        search.notes.append(f"the model was built under a strategy of {found.replicas} replicas: the plan search plans "
+                            "one device's step, so the probes alone decide (tfmem_widgets.plan plans such a model "
+                            "per replica)")
+    return found.replicas > 1
+
+
 def _keep(search, found) -> None:
     search.plans, search.data_share = found.plans, found.data_share
     search.notes.extend(found.notes)
@@ -220,7 +232,7 @@ def plans_after(search) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     search.plans_after_seconds = time.perf_counter() - started
-    if found is None:
+    if found is None or _per_replica(search, found):
         return
     if found.jit_compile is not True:
         search.notes.append("the model's step runs without XLA (jit_compile=False): the plans that answer away from "

@@ -50,6 +50,15 @@ class ProbeRefused:
     """The user's functions could not be probed: why, in one line."""
 
     message: str
+    replicas: int = 0  # a model built under a strategy with more replicas than the batch has rows (0: not so)
+
+
+class TooFewRows(ArgumentError):
+    """A probe's batch gives a replica of the model's strategy no row (tf.distribute cannot run such a step)."""
+
+    def __init__(self, message: str, replicas: int):
+        super().__init__(message)
+        self.replicas = replicas
 
 
 PROBE_CODE = """
@@ -116,6 +125,12 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
                             + (f": {cause_line(exc)}" if cause_line(exc) else ""))
     if not hasattr(model, "train_on_batch"):
         return ProbeRefused(f"build_model() returned a {type(model).__name__}, not a compiled Keras model")
+    from ..plans.replicas import replicas_of
+
+    replicas = replicas_of(model)
+    if batch < replicas:  # (its fit would fail on an empty replica's batch, in an AddN of the gradients)
+        return ProbeRefused(f"a batch of {batch:,} leaves a replica without a row: the model was built under a "
+                            f"strategy of {replicas} replicas; give low={replicas} or more", replicas=replicas)
     try:
         data = make_batch(batch)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt too: said, not a silent death
@@ -282,5 +297,6 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run, ended:
                             how=exc.how, raised=exc.raised, last_words=exc.last_words) from None
     value = done.values["probe"]
     if isinstance(value, ProbeRefused):
-        raise ArgumentError(f"max_batch_size: {value.message}.")
+        error = TooFewRows if value.replicas else ArgumentError
+        raise error(f"max_batch_size: {value.message}.", *([value.replicas] if value.replicas else []))
     return replace(value, seconds=(ended or time.perf_counter()) - started)  # the process's start counted too

@@ -171,7 +171,8 @@ class ReplicaPlan(LinesText):
         if self.limit_bytes is None:
             return what + " (its device's limit is not known)"
         spare = self.limit_bytes - self.peak_bytes
-        verdict = f"fits, {format_bytes(spare)} to spare" if spare >= 0 else f"does not fit, {format_bytes(-spare)} short"
+        left = marked(format_bytes(abs(spare)), varies)  # (from the planned step: it varies as the step does)
+        verdict = f"fits, {left} to spare" if spare >= 0 else f"does not fit, {left} short"
         return f"{what} of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): {verdict}"
 
 

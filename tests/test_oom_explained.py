@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import PASTED_OOM_LOG, finish_fresh, start_fresh
+from conftest import PASTED_OOM_LOG, finish_fresh, run_fresh, start_fresh
 
 MiB = 1 << 20
 
@@ -608,3 +608,36 @@ def test_the_users_own_profiler_while_recording_is_refused_in_one_line_and_cuts_
     assert out["board_started"] is False
     assert out["recorder_windows_lost"] == []          # the recorder's window was not cut short
     assert len(out["after"]) == 1                        # and the user's own session works once it stops
+
+
+MIRRORED_OOM = """
+import json
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+tfmem_widgets.watch_oom()  # TensorFlow writes its allocator's dump at the OOM (the extension does this in a notebook)
+import keras, numpy as np, tensorflow as tf
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, activation="relu", name="wide"),
+                              keras.layers.Dense(10, name="out")])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x, y = np.ones((8192, 1024), "float32"), np.zeros((8192,), "int64")
+model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)  # each replica writes its own copy of every variable
+try:
+    model.fit(x, y, batch_size=4096, epochs=1, verbose=0)
+    report = None
+except tf.errors.ResourceExhaustedError as error:
+    report = tfmem_widgets.explain_oom(error)
+layers = report.by_layer()
+print(json.dumps({"wide": layers.phases("sequential/wide"), "keys": list(layers), "text": repr(report)}))
+"""
+
+
+def test_a_mirrored_fits_oom_counts_each_replicas_copy_of_the_weights_and_names_its_layers():
+    # Under MirroredStrategy every replica holds a copy of each variable, in its own buffer once written: on the
+    # logical CPUs of lab mode both are in the one pool, and both are the layer's parameters and optimizer state,
+    # not activations. The second replica's ops are scoped replica_1/: still the model's layers.
+    out = run_fresh(MIRRORED_OOM, timeout=300)
+    wide = (1024 * 4096 + 4096) * 4  # the layer's kernel and bias, float32
+    assert out["wide"]["parameters"] == 2 * wide and out["wide"]["optimizer state"] == 4 * wide, out["wide"]
+    assert not any(key.startswith("(op replica_") for key in out["keys"]), out["keys"]

@@ -119,6 +119,18 @@ def _variable_address(variable) -> int | None:
     return tensor_address(value)
 
 
+def _addresses(variable) -> list[int]:
+    """The addresses of a variable's buffers: one, or under a tf.distribute strategy one per replica (a
+    MirroredVariable holds a copy on each replica's device; on logical CPUs in lab mode the copies share one
+    buffer until the first write, which then counts once)."""
+    import tensorflow as tf
+
+    inner = getattr(variable, "value", None)  # (a Keras variable's TensorFlow variable)
+    copies = list(inner.values) if isinstance(inner, tf.distribute.DistributedValues) else [variable]
+    found = [_variable_address(copy) for copy in copies]
+    return list(dict.fromkeys(a for a in found if a is not None))
+
+
 def _nbytes(variable) -> int:
     shape = [int(d) for d in variable.shape]
     count = 1
@@ -146,9 +158,7 @@ def keras_variables(namespace: dict | None = None) -> list[KnownVariable]:
             path = str(getattr(variable, "path", variable.name))
             layer = path.rsplit("/", 1)[0] if "/" in path else path
             model_paths[path.replace("/", "_")] = layer
-            address = _variable_address(variable)
-            if address is not None:
-                found.append(KnownVariable(address, _nbytes(variable), path, layer, PARAMETERS))
+            found += [KnownVariable(address, _nbytes(variable), path, layer, PARAMETERS) for address in _addresses(variable)]
     for optimizer in optimizers:
         own = str(getattr(optimizer, "name", "optimizer"))
         for variable in optimizer.variables:
@@ -159,10 +169,9 @@ def keras_variables(namespace: dict | None = None) -> list[KnownVariable]:
             # Keras names a slot '<variable path with _>_<slot>': the longest match is its owner.
             owner = max((k for k in model_paths if name.startswith(k + "_")), key=len, default=None)
             layer = model_paths[owner] if owner else f"({own})"
-            address = _variable_address(variable)
-            if address is not None:
-                path = str(getattr(variable, "path", name))
-                found.append(KnownVariable(address, _nbytes(variable), path, layer, OPTIMIZER_STATE))
+            path = str(getattr(variable, "path", name))
+            found += [KnownVariable(address, _nbytes(variable), path, layer, OPTIMIZER_STATE)
+                      for address in _addresses(variable)]
     # Variables assigned one value share its buffer until one is written (copy on write: an
     # optimizer's zero slots before its first update). One owner and phase: the chunk is theirs;
     # claimants that disagree leave it unnamed.
@@ -280,6 +289,7 @@ _WRAPPERS = {"StatefulPartitionedCall", "PartitionedCall", "while", "cond", "bod
 # tf.data's ops, and the copy of a batch onto a GPU (SameWorkerRecvDone)
 _PIPELINE = re.compile(r"Dataset|Iterator|GatherV2|IteratorGetNext|OptionalFromValue|OptionalGetValue|RecvDone|_Recv")
 _SUFFIX = re.compile(r"(?:_\d+)+$")
+_REPLICA = re.compile(r"replica_\d+")  # a tf.distribute strategy's scope of each replica's ops past the first
 
 
 class OpReader:
@@ -298,7 +308,7 @@ class OpReader:
         function = next((FUNCTION.search(p).group(1) for p in parts if FUNCTION.search(p)), None)
         backward = False
         while parts and (parts[0] in _WRAPPERS or parts[0].startswith("__inference")
-                         or parts[0] == "gradient_tape"):
+                         or parts[0] == "gradient_tape" or _REPLICA.fullmatch(parts[0])):
             backward |= parts[0] == "gradient_tape"
             parts = parts[1:]
         if not parts:

@@ -126,6 +126,22 @@ def run_fresh(code: str, env: dict | None = None, timeout: float = 240) -> dict:
     return finish_fresh(start_fresh(code, env), timeout)
 
 
+# A Dense model `width` wide built under MirroredStrategy over `devices`, and `rows` rows of data (x, y): fitted
+# on two logical CPUs (tests/test_plan.py) and on two logical GPUs (tests/test_gpu.py).
+MIRRORED_MODEL = """
+import keras, numpy as np, tensorflow as tf
+keras.utils.set_random_seed(0)
+strategy = tf.distribute.MirroredStrategy({devices!r})
+L = keras.layers
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1024,)), L.Dense({width}, activation="relu"), L.Dense({width}, activation="relu"),
+                              L.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=({rows}, 1024)).astype("float32"), rng.integers(0, 10, {rows})
+"""
+
+
 # A model planned, then fit on its data in the same process (tests/test_fit_plan.py in lab mode, test_gpu.py on a
 # card): FACTS section 8's three (an MLP, an attention model, two Conv2D) and our own (Dense, two inputs), each
 # at `scale` of its batch; `form` is how the fit is given its data: NumPy arrays, tensors, or a tf.data pipeline.

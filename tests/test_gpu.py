@@ -14,7 +14,15 @@ import textwrap
 import gpu_experiments  # notebooks/, put on the path by tests/conftest.py
 import pytest
 
-from conftest import FRESH_SHELL, PROBE_DATA_MODEL, plan_then_fit, run_fresh, search_functions, trains_like_a_probe
+from conftest import (
+    FRESH_SHELL,
+    MIRRORED_MODEL,
+    PROBE_DATA_MODEL,
+    plan_then_fit,
+    run_fresh,
+    search_functions,
+    trains_like_a_probe,
+)
 from tfmem_widgets.fresh.run import child_environment
 from tfmem_widgets.search.probe import REFUSED
 
@@ -571,17 +579,8 @@ def test_a_mirrored_fit_on_two_logical_gpus_is_planned_per_replica():
     out = fresh(
         """
         tfmem_widgets.setup(split=[12000, 12000])
-        import keras, numpy as np, tensorflow as tf
         from tfmem_widgets.readings.callback import MemoryCallback
-        L = keras.layers
-        keras.utils.set_random_seed(0)
-        strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((1024,)), L.Dense(4096, activation="relu"),
-                                      L.Dense(4096, activation="relu"), L.Dense(10)])
-            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        rng = np.random.default_rng(0)
-        x, y = rng.normal(size=(3 * 8192, 1024)).astype("float32"), rng.integers(0, 10, 3 * 8192)
+        """ + textwrap.indent(MIRRORED_MODEL.format(devices=["GPU:0", "GPU:1"], width=4096, rows=3 * 8192), "        ") + """
         planned = tfmem_widgets.plan(model, (x, y), 8192)
         history = model.fit(x, y, batch_size=8192, epochs=2, verbose=0, callbacks=[MemoryCallback()])
         print(json.dumps({"planned": {r.device: r.peak_bytes for r in planned.replicas}, "text": repr(planned),

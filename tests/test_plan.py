@@ -8,7 +8,7 @@ in lab mode aborts its process, so nothing here runs near a limit in this proces
 import pytest
 
 import tfmem_widgets
-from conftest import PROBE_DATA_MODEL, run_fresh, search_functions, trains_like_a_probe
+from conftest import MIRRORED_MODEL, PROBE_DATA_MODEL, run_fresh, search_functions, trains_like_a_probe
 from tfmem_widgets.errors import ArgumentError
 
 MiB = 1 << 20
@@ -337,19 +337,11 @@ def test_a_model_built_under_a_strategy_is_planned_per_replica_from_a_copy_and_i
 
 
 REPLICAS_FIT = """
-import json, keras, numpy as np, tensorflow as tf
+import json
 import tfmem_widgets
 from tfmem_widgets.readings.callback import MemoryCallback
 tfmem_widgets.setup(lab_mb=1024, cpus=2)
-keras.utils.set_random_seed(0)
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-L = keras.layers
-with strategy.scope():
-    model = keras.Sequential([keras.Input((1024,)), L.Dense(2048, activation="relu"), L.Dense(2048, activation="relu"),
-                              L.Dense(10)])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-rng = np.random.default_rng(0)
-x, y = rng.normal(size=(3 * 4096, 1024)).astype("float32"), rng.integers(0, 10, 3 * 4096)
+""" + MIRRORED_MODEL.format(devices=["/cpu:0", "/cpu:1"], width=2048, rows=3 * 4096) + """
 planned = tfmem_widgets.plan(model, (x, y), 4096)
 callback = MemoryCallback()
 history = model.fit(x, y, batch_size=4096, epochs=2, verbose=0, callbacks=[callback])

@@ -297,6 +297,7 @@ def probe_outcome(batch: int, timeout: float | None, started: float, run, ended:
                             how=exc.how, raised=exc.raised, last_words=exc.last_words) from None
     value = done.values["probe"]
     if isinstance(value, ProbeRefused):
-        error = TooFewRows if value.replicas else ArgumentError
-        raise error(f"max_batch_size: {value.message}.", *([value.replicas] if value.replicas else []))
+        if value.replicas:
+            raise TooFewRows(f"max_batch_size: {value.message}.", value.replicas)
+        raise ArgumentError(f"max_batch_size: {value.message}.")
     return replace(value, seconds=(ended or time.perf_counter()) - started)  # the process's start counted too

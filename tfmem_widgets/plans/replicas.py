@@ -85,6 +85,7 @@ class ReplicaPlan(LinesText):
     limit_source: str = ""
     plans: dict = field(default_factory=dict)  # rows -> the StepPlan of one replica's step (the model's copy)
     jit_compile: bool | None = None  # the model's own setting
+    first_rows: tuple[int, ...] = ()  # the fit's first batch per replica where they differ (its fit fails: uneven)
 
     @property
     def estimate(self) -> bool:
@@ -95,6 +96,13 @@ class ReplicaPlan(LinesText):
         """The fit cannot start: compiled with jit_compile=True, Keras' fit under MirroredStrategy raises before its
         first step (TensorFlow 2.21, Keras 3.15: on two logical CPUs and on two logical GPUs of an H100)."""
         return self.jit_compile is True
+
+    @property
+    def uneven(self) -> bool:
+        """The fit cannot start: Keras' fit under a strategy reduces its first batch across the replicas (a MEAN, to
+        build the model: keras/src/backend/tensorflow/trainer.py, _maybe_symbolic_build), which needs every replica's
+        rows alike; a first batch that does not divide by the replicas raises InvalidArgumentError (Keras 3.15)."""
+        return len(set(self.first_rows)) > 1
 
     @property
     def busiest(self) -> ReplicaShare:
@@ -157,6 +165,13 @@ class ReplicaPlan(LinesText):
             out.append(f"  {r.device} ({r.rows:,} rows): peak {marked(format_bytes(r.peak_bytes), varies)} = "
                        + " + ".join(parts))
         out.append(self._verdict(varies))
+        if self.uneven:
+            n = len(self.replicas)
+            out.append(f"  FAILS before its first step: Keras' fit under the strategy reduces its first batch across the "
+                       f"replicas (a MEAN, to build the model), which needs every replica's rows alike: its "
+                       f"{sum(self.first_rows):,} rows split {' and '.join(f'{r:,}' for r in self.first_rows)} "
+                       f"(TensorFlow: 'Inputs to operation AddN ... must have the same size and shape'); give a global "
+                       f"batch that divides by {n}, such as {self.global_batch - self.global_batch % n:,}")
         if self.xla_refused:
             out.append("  FAILS before its first step: Keras' fit with jit_compile=True under MirroredStrategy has XLA compile "
                        "the replicas' step on the first replica's device, which cannot read the other replicas' variables "
@@ -174,6 +189,14 @@ class ReplicaPlan(LinesText):
         left = marked(format_bytes(abs(spare)), varies)  # (from the planned step: it varies as the step does)
         verdict = f"fits, {left} to spare" if spare >= 0 else f"does not fit, {left} short"
         return f"{what} of the {format_bytes(self.limit_bytes)} limit ({self.limit_source}): {verdict}"
+
+
+def replicas_text(planned: ReplicaPlan) -> str:
+    """How the need of a fit over replicas was planned, in words (StepNeed.lines)."""
+    where = ("all of them in the one shared pool" if planned.shared_pool
+             else f"the busiest replica's, {planned.busiest.device}")
+    return (f"the plan of its {len(planned.replicas)} replicas' shares, {where}; an estimate: a graph step on each "
+            f"replica, the all-reduce of {format_bytes(planned.gradient_bytes)} of gradients assumed")
 
 
 def replicas_of(model) -> int:
@@ -262,8 +285,9 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
     gc.collect()  # (the copy's variables, held in reference cycles of its traced step, leave the pool now, before a fit)
     busiest = max(replicas, key=lambda r: r.peak_bytes).device
     limit = limit_of(first if shared else busiest)
+    first = split_rows(min(global_batch, _rows_of(sample) or global_batch), len(devices))
     return ReplicaPlan(type(strategy).__name__, kind, global_batch, tuple(replicas), gradients, rule, shared,
-                       limit.bytes, limit.source, plans, model.jit_compile)
+                       limit.bytes, limit.source, plans, model.jit_compile, tuple(first) if len(set(first)) > 1 else ())
 
 
 def _graph_step(copy, sample, rows: int, device: str) -> int:
@@ -281,12 +305,10 @@ def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
     import keras
     import tensorflow as tf
 
+    rows = _rows_of(sample)
+    if rows is None or rows < global_batch:
+        return None, 0
     leaves = [leaf for leaf in keras.tree.flatten(sample) if leaf is not None]
-    if not leaves or any(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
-        return None, 0
-    rows = int(leaves[0].shape[0])
-    if rows < global_batch:
-        return None, 0
     per_row = [size // planned.batch_size for size in planned.batch_sizes]
     gpu = not shared
     arrays = sum(row * rows for row, leaf in zip(per_row, leaves)
@@ -297,6 +319,17 @@ def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
     count = min(full + bool(rest), in_flight())
     batch = sum(per_row) * global_batch
     return arrays, 2 * INDEX_BYTES * rows + count * batch
+
+
+def _rows_of(sample) -> int | None:
+    """The rows of the fit's data where the sample holds it (arrays or tensors), else None (TensorSpecs)."""
+    import keras
+    import tensorflow as tf
+
+    leaves = [leaf for leaf in keras.tree.flatten(sample) if leaf is not None]
+    if not leaves or any(isinstance(leaf, tf.TensorSpec) for leaf in leaves) or not getattr(leaves[0], "shape", None):
+        return None
+    return int(leaves[0].shape[0])
 
 
 def _int32(leaf) -> bool:

@@ -610,11 +610,8 @@ def test_the_users_own_profiler_while_recording_is_refused_in_one_line_and_cuts_
     assert len(out["after"]) == 1                        # and the user's own session works once it stops
 
 
-MIRRORED_OOM = """
-import json
-import tfmem_widgets
-tfmem_widgets.setup(lab_mb=256, cpus=2)
-tfmem_widgets.watch_oom()  # TensorFlow writes its allocator's dump at the OOM (the extension does this in a notebook)
+# A Dense model under MirroredStrategy over the two logical CPUs of a 256 MB lab, and its data.
+MIRRORED_FIT = """
 import keras, numpy as np, tensorflow as tf
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
@@ -622,6 +619,14 @@ with strategy.scope():
                               keras.layers.Dense(10, name="out")])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 x, y = np.ones((8192, 1024), "float32"), np.zeros((8192,), "int64")
+"""
+
+MIRRORED_OOM = """
+import json
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+tfmem_widgets.watch_oom()  # TensorFlow writes its allocator's dump at the OOM (the extension does this in a notebook)
+""" + MIRRORED_FIT + """
 model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)  # each replica writes its own copy of every variable
 try:
     model.fit(x, y, batch_size=4096, epochs=1, verbose=0)
@@ -641,3 +646,42 @@ def test_a_mirrored_fits_oom_counts_each_replicas_copy_of_the_weights_and_names_
     wide = (1024 * 4096 + 4096) * 4  # the layer's kernel and bias, float32
     assert out["wide"]["parameters"] == 2 * wide and out["wide"]["optimizer state"] == 4 * wide, out["wide"]
     assert not any(key.startswith("(op replica_") for key in out["keys"]), out["keys"]
+
+
+MIRRORED_SHELL = SHELL + """
+cell("%load_ext tfmem_widgets")
+cell("%tfmem setup --lab 256 --cpus 2")
+cell('''""" + MIRRORED_FIT + """''')
+result = cell("model.fit(x, y, batch_size=4096, epochs=1, verbose=0)")
+import tfmem_widgets
+need = tfmem_widgets.last_oom().need
+model, x, y = (ip.user_ns[k] for k in ("model", "x", "y"))
+plans = {b: tfmem_widgets.plan(model, (x, y), b) for b in (4096, need.fits_batch, need.fails_batch)}
+uneven = cell("model.fit(x[:63], y[:63], batch_size=63, epochs=1, verbose=0)")
+print(json.dumps({"raised": type(result.error_in_exec).__name__, "shown": shown.getvalue(),
+                  "need": {"batch": need.batch_size, "peak": need.peak_bytes, "fits": need.fits_batch,
+                           "fails": need.fails_batch, "source": need.source, "limit": need.limit_bytes,
+                           "shares": repr(need.plan)},
+                  "planned": {b: [p.peak_bytes, p.fits()] for b, p in plans.items()},
+                  "uneven": type(uneven.error_in_exec).__name__, "uneven_plan": repr(tfmem_widgets.plan(model, (x[:63], y[:63]), 63))}))
+"""
+
+
+def test_a_mirrored_fits_oom_is_told_its_replicas_need_and_a_global_batch_that_divides_by_them():
+    # Read from the fit's frames while TensorFlow waited: its global batch, its arrays' shapes (the replicas' plan
+    # places the data on the first device), its strategy's replicas. The need is plan()'s of the same model and data.
+    out = run_fresh(MIRRORED_SHELL, timeout=300)
+    need, planned = out["need"], out["planned"]
+    assert out["raised"] == "ResourceExhaustedError" and need["source"] == "replica plan"
+    assert need["batch"] == 4096 and need["peak"] == planned["4096"][0] > need["limit"] == 256 << 20
+    fits, fails = need["fits"], need["fails"]
+    assert fits % 2 == 0 and fails % 2 == 0 and fits < fails <= 4096  # (an uneven global batch cannot start)
+    assert planned[str(fits)][1] and not planned[str(fails)][1]
+    assert fails - fits <= 2 * max(1, math.ceil(0.02 * fits / 2))  # to the search's resolution, in rows per replica
+    assert "the plan of its 2 replicas' shares, all of them in the one shared pool" in out["shown"]
+    assert f"what fits: at most batch {fits:,}" in out["shown"] and "draws each replica's shares" in out["shown"]
+    assert "CPU:0 (2,048 rows)" in need["shares"] and "the data 32.06 MiB" in need["shares"]
+    # Keras' fit reduces its first batch across the replicas to build the model: 63 rows over 2 cannot start, and
+    # the plan of that fit says so before it runs.
+    assert out["uneven"] == "InvalidArgumentError"
+    assert "FAILS before its first step" in out["uneven_plan"] and "32 and 31" in out["uneven_plan"]

@@ -314,7 +314,9 @@ def explain_oom(source, *, each: bool = False, model=None, sample=None, batch_si
 
         if not isinstance(model, keras.Model):
             raise ArgumentError(f"explain_oom: model must be the fit's compiled Keras model, got {type(model).__name__}.")
-        fit = FitContext(model, int(batch_size), sample)
+        from ..plans.replicas import replicas_of
+
+        fit = FitContext(model, int(batch_size), sample, replicas_of(model))  # (a strategy's: its replicas planned)
     if isinstance(source, BaseException):
         if not is_oom(source):
             raise ArgumentError(f"explain_oom: {type(source).__name__} is not an out-of-memory error; pass a "

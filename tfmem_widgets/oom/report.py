@@ -292,10 +292,11 @@ class OomReport(LinesText):
                        "raise the limit, or hold less: the data in a tf.data pipeline instead of arrays, an optimizer "
                        "with fewer slots (SGD keeps none, Adam two per weight)")
         elif need is not None and need.fits_batch is not None:
+            edge = ("%%tfmem batch probes the edge: over replicas the probes decide" if need.source == "replica plan"
+                    else "%%tfmem batch --plan finds the edge, confirmed by a probe")
             out.append(f"a smaller batch: at most {self._v(f'{need.fits_batch:,}')}, where the planned step reaches the "
-                       f"{format_bytes(need.limit_bytes)} limit (%%tfmem batch --plan finds the edge, confirmed by a "
-                       f"probe); gradient accumulation keeps the effective batch of {need.batch_size:,} "
-                       "(workbook notebook 4)")
+                       f"{format_bytes(need.limit_bytes)} limit ({edge}); gradient accumulation keeps the effective "
+                       f"batch of {need.batch_size:,} (workbook notebook 4)")
         elif self.xla and (whole := self.whole_chunk()) is not None:
             out.append(f"a smaller batch shrinks the XLA program's buffer ({self._v(whole[1])}) until the allocator "
                        "splits the chunk it takes and the rest holds the program's next requests; "

@@ -30,6 +30,7 @@ from ..units import format_bytes
 from .copy import model_copy
 from .fit import held_beside
 from .plan import device_of  # a model on any device but a CPU is planned from its CPU copy (from_cpu_copy)
+from .replicas import replicas_text
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class StepNeed:
         out = []
         if self.peak_bytes is not None:
             how = ("XLA's CPU program of a copy of the model: an estimate of its GPU program"
-                   if self.source == "cpu plan" else
+                   if self.source == "cpu plan" else replicas_text(self.plan) if self.source == "replica plan" else
                    "XLA's plan of this step; an estimate, as this fit runs the step as a graph, jit_compile=False"
                    if self.estimate else "XLA's plan of this step" if self.source == "plan" else
                    "in use + the XLA program's one buffer of temporaries")
@@ -84,15 +85,17 @@ class StepNeed:
             least = "at least " if self.source == "xla request" else ""
             out.append(f"the step: at batch {self.batch_size:,} it needs {least}{m(format_bytes(self.peak_bytes))} at "
                        f"its peak ({how}{parts}) against the {limit_text} limit"
-                       + ("; tfmem_widgets.last_oom().need.plan.plot() draws its program" if self.plan is not None
-                          else ""))
+                       + ("" if self.plan is None else "; tfmem_widgets.last_oom().need.plan.plot() draws "
+                          + ("each replica's shares" if self.source == "replica plan" else "its program")))
         if self.fits_batch is not None:
             above = f"; {m(f'{self.fails_batch:,}')} does not" if self.fails_batch is not None else ""
-            out.append(f"what fits: at most batch {m(f'{self.fits_batch:,}')}, where the planned step, with the fit's "
-                       f"data and input pipeline, reaches the limit ({m(str(self.plans))} plans in "
-                       f"{m(f'{self.seconds:.1f} s')}{above}); a fit "
+            replicas = self.source == "replica plan"
+            what = ("the replicas' planned shares reach the limit" if replicas else
+                    "the planned step, with the fit's data and input pipeline, reaches the limit")
+            out.append(f"what fits: at most batch {m(f'{self.fits_batch:,}')}, where {what} ({m(str(self.plans))} plans "
+                       f"in {m(f'{self.seconds:.1f} s')}{above}); a fit "
                        "can take more than its plan (its first step, where the pool's regions fall): a probe confirms "
-                       "it (%%tfmem batch --plan)")
+                       + ("it (%%tfmem batch: over replicas the probes decide)" if replicas else "it (%%tfmem batch --plan)"))
         elif self.source == "xla request":
             out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
                        "the batch): after an XLA program's OOM this one is not planned")
@@ -164,10 +167,10 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     plan = planner or functools.partial(plan, build=True, place=False)  # the fit's own data builds as fit would
 
     seconds = NEED_SECONDS if seconds is None else seconds
-    if fit.replicas != 1:
-        return StepNeed(fit.batch_size, note=f"a fit on {fit.replicas} replicas: the batch that fits is searched on one "
-                        "device's step; tfmem_widgets.plan(model, sample, "
-                        f"{fit.batch_size:,}) plans each replica's share of this batch")
+    if fit.replicas != 1:  # (a MirroredStrategy fit: each replica's share planned, plans/replica_need.py)
+        from .replica_need import replica_need
+
+        return replica_need(fit, limit_bytes, seconds=seconds)
     if planner is None and not (device := device_of(fit.model)).startswith("CPU"):
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
     started = time.perf_counter()

@@ -24,6 +24,9 @@ class FitContext:
     replicas: int = 1
     data_sizes: tuple[int, ...] = ()  # the arrays fit was given (x, y, sample_weight): Keras holds each as a tensor
     phase: str = "train"  # "validation": inside the fit's evaluate (validation_data), its batch and data
+    # A fit over replicas: its arrays as fit got them, (x, y[, sample_weight]), each a view of no bytes with the
+    # array's shape and type (the replicas' plan reads how much data lands on the first device); None otherwise.
+    data: object = None
 
 
 def fit_context(frame) -> FitContext | None:
@@ -56,8 +59,10 @@ def _of_fit_locals(local: dict) -> FitContext | None:
         adapter = iterator.data_adapter
         batch = getattr(adapter, "batch_size", None) or batch_of_dataset(getattr(adapter, "_dataset", None))
         dataset = getattr(iterator, "_distributed_dataset", None)
-        spec = getattr(dataset, "element_spec", None)
         replicas = int(model.distribute_strategy.num_replicas_in_sync)
+        if replicas > 1:  # a distributed dataset's spec is per replica: the global batch's is its input's
+            dataset = getattr(dataset, "_original_dataset", dataset)
+        spec = getattr(dataset, "element_spec", None)
     except Exception:  # a Keras whose internals moved: no context, never a failure
         return None
     leaves = tf.nest.flatten(spec) if spec is not None else []
@@ -65,7 +70,23 @@ def _of_fit_locals(local: dict) -> FitContext | None:
         return None
     sizes = tuple(int(getattr(a, "nbytes", 0) or 0) for name in ("x", "y", "sample_weight")
                   for a in tf.nest.flatten(local.get(name)) if hasattr(a, "nbytes") and hasattr(a, "shape"))
-    return FitContext(model, int(batch), spec, replicas, tuple(s for s in sizes if s))
+    data = shapes_of_data(local.get("x"), local.get("y"), local.get("sample_weight")) if replicas > 1 else None
+    return FitContext(model, int(batch), spec, replicas, tuple(s for s in sizes if s), data=data)
+
+
+def shapes_of_data(x, y, sample_weight=None):
+    """(x, y[, sample_weight]) with each NumPy array a read-only view of no bytes of its shape and type
+    (np.broadcast_to of one zero), tensors as they are; None where x is not arrays or tensors (a tf.data
+    pipeline, a generator: its batches' specs say all there is)."""
+    import numpy as np
+
+    tf = sys.modules["tensorflow"]
+    data = (x, y) if sample_weight is None else (x, y, sample_weight)
+    leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
+    if x is None or not leaves or not all(isinstance(leaf, np.ndarray) or tf.is_tensor(leaf) for leaf in leaves):
+        return None
+    return tf.nest.map_structure(
+        lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape) if isinstance(a, np.ndarray) else a, data)
 
 
 def batch_of_dataset(dataset) -> int | None:

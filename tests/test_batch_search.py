@@ -379,13 +379,31 @@ def test_a_model_built_under_a_strategy_is_searched_from_a_row_per_replica():
     search = tfmem_widgets.max_batch_size(build_model, make_batch, setup=setup, high=64, progress=False, method="plan")
     assert search.probes[0].batch == 2 and search.low == 2 and search.largest == 64 and not search.failed
     notes = [str(note) for note in search.notes]
-    assert any("runs 2 replicas, one row each at least: the search began at 2, not 1" in note for note in notes), notes
+    assert any("runs 2 replicas, and Keras' fit takes a global batch that divides by them: the search began at 2, "
+               "not 1" in note for note in notes), notes
     assert any("built under a strategy of 2 replicas" in note for note in notes), notes
     assert not search.plans
     with pytest.raises(ArgumentError) as caught:  # no batch to go on with: one line
         tfmem_widgets.max_batch_size(build_model, make_batch, setup=setup, high=1, progress=False, method="probe")
     text = str(caught.value)
     assert "a batch of 1 leaves a replica without a row" in text and "give low=2" in text and "\n" not in text, text
+    assert not _children()
+
+
+def test_a_strategy_models_search_probes_only_global_batches_that_divide_by_its_replicas():
+    # Keras' fit under a strategy reduces its first batch across the replicas to build the model: 3 rows over 2
+    # replicas (or any odd batch) raise InvalidArgumentError before a step, which no search can read as fitting or
+    # not. The search begins at the next multiple and probes only multiples, to the edge.
+    build_model, make_batch = search_functions(width=256, replicas=2)
+    search = tfmem_widgets.max_batch_size(build_model, make_batch, setup={"lab_mb": 64, "cpus": 2}, low=3, high=16384,
+                                          resolution=0.1, progress=False, method="probe")
+    assert search.low == 4 and search.replicas == 2
+    assert all(p.batch % 2 == 0 for p in search.probes), [p.batch for p in search.probes]
+    assert search.failed and search.largest < search.first_failure <= search.largest + max(2, 0.1 * search.largest)
+    assert "batches of 2 replicas' multiples" in repr(search)
+    with pytest.raises(ArgumentError) as caught:  # asked by hand: one line, nothing probed
+        search.probe(4097)
+    assert "does not divide by the 2 replicas" in str(caught.value) and "\n" not in str(caught.value)
     assert not _children()
 
 

@@ -90,6 +90,12 @@ class BatchSearch(LinesText):
         return sorted((p for p in self.probes if not p.fits), key=lambda p: p.batch)
 
     @property
+    def replicas(self) -> int:
+        """The model's strategy's replicas, as its probes read them (1: one device): every batch probed divides by
+        them (search/next_probe.on_replicas)."""
+        return max((p.replicas for p in self.probes), default=1)
+
+    @property
     def largest(self) -> int | None:
         """The largest batch that trained."""
         fitted = self.fitted
@@ -316,7 +322,7 @@ def max_batch_size(build_model: Callable[[], Any], make_batch: Callable[[int], A
         batch = _search(search, probe_one, bar, method, max_probes, past)
         if batch is not None and not search.interrupted and len(search.probes) >= max_probes:
             within = search.first_failure is not None and search.largest is not None and \
-                search.first_failure - search.largest <= max(1, math.ceil(search.largest * search.resolution))
+                search.first_failure - search.largest <= max(search.replicas, math.ceil(search.largest * search.resolution))
             search.notes.append(RunNote(f"stopped at max_probes={max_probes} " + (
                 "before the probe past the edge" if within else "before the edge was within the resolution")))
     if search.largest is not None and not search.failed and search.largest < search.high and not search.interrupted:
@@ -411,11 +417,14 @@ def _search(search: BatchSearch, probe_one, bar, method: str, max_probes: int, p
 
 
 def _from_replicas(search: BatchSearch, batch: int, few: TooFewRows) -> int:
-    """The batch a search goes on from where the probe of `batch` gave a replica no row: one row per replica,
-    where nothing was probed yet and `high` allows it (the search's `low` from then); else the probe's line, raised."""
-    if search.probes or batch != search.low or few.replicas > search.high:
+    """The batch a search goes on from where the probe of `batch` gave a replica no row or did not divide by the
+    replicas: the next multiple of them, where nothing was probed yet and `high` allows it (the search's `low`
+    from then); else the probe's line, raised."""
+    start = -(-batch // few.replicas) * few.replicas
+    if search.probes or batch != search.low or start > search.high:
         raise few
-    search.low = few.replicas
-    search.notes.append(RunNote(f"the model's strategy runs {few.replicas} replicas, one row each at least: the "
-                                f"search began at {few.replicas:,}, not {batch:,}"))
-    return few.replicas
+    search.low = start
+    search.notes.append(RunNote(f"the model's strategy runs {few.replicas} replicas, and Keras' fit takes a global "
+                                f"batch that divides by them: the search began at {start:,}, not {batch:,}, and "
+                                f"probed multiples of {few.replicas}"))
+    return start

@@ -116,8 +116,8 @@ def margin_aim(search, bisect: bool = False) -> tuple[int, str] | None:
             (int(over * (1 - search.margin)), f"{search.margin:.0%} below {over:,}")
         if half < aim:
             aim, why = half, f"{how}, whose peak took the margin"
-    aim = max(search.low, min(search.high, aim))
-    return aim, why
+    aim = on_replicas(search, max(search.low, min(search.high, aim)))
+    return (aim, why) if aim >= search.low else None
 
 
 def chunk_bound_peaks(search) -> tuple[int, int, int] | None:
@@ -150,7 +150,7 @@ def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:
     `probe_past` (a failure above the edge is already known) the search stops at the edge."""
     if past:
         return None
-    largest, failure = search.largest, search.first_failure
+    largest, failure, m = search.largest, search.first_failure, search.replicas
     if largest is None:
         return None
     if failure is None:
@@ -160,15 +160,22 @@ def next_batch(search, past: list[int], probe_past: bool = True) -> int | None:
         edge = search._line_batch(search.limit_bytes) if search.limit_bytes else None
         if edge is not None:
             grow = min(grow, max(edge, math.ceil(largest * 1.25)))
-        return min(search.high, max(grow, largest + 1))
-    step = max(1, math.ceil(largest * search.resolution))
+        grow = on_replicas(search, min(search.high, max(grow, largest + m)))
+        return grow if grow > largest else None
+    step = max(m, math.ceil(largest * search.resolution))
     if failure - largest <= step:
         if not probe_past:
             return None
-        beyond = min(search.high, failure + 4 * step)
+        beyond = on_replicas(search, min(search.high, failure + 4 * step))
         if beyond > failure and beyond not in {p.batch for p in search.probes}:
             past.append(beyond)
             return beyond
         return None
-    middle = math.isqrt(largest * failure) if failure > 4 * largest else (largest + failure) // 2
+    middle = on_replicas(search, math.isqrt(largest * failure) if failure > 4 * largest else (largest + failure) // 2)
     return middle if largest < middle < failure else None
+
+
+def on_replicas(search, batch: int) -> int:
+    """`batch` down to a multiple of the model's strategy's replicas (Keras' fit under a strategy takes no other
+    global batch: plans/replicas.py, ReplicaPlan.uneven); as it is on one device."""
+    return batch - batch % search.replicas

@@ -39,6 +39,7 @@ class Probe:
     stage: str = "train"  # "build": build_model() itself ran out of memory
     limit_bytes: int | None = None  # the limit the probe ran under (its process's reading)
     limit_source: str = "unknown"
+    replicas: int = 1  # the model's strategy's replicas (its batches divide by them: Keras' fit refuses others)
 
     @property
     def fits(self) -> bool:
@@ -50,11 +51,12 @@ class ProbeRefused:
     """The user's functions could not be probed: why, in one line."""
 
     message: str
-    replicas: int = 0  # a model built under a strategy with more replicas than the batch has rows (0: not so)
+    replicas: int = 0  # a model built under a strategy whose replicas the batch does not divide by (0: not so)
 
 
 class TooFewRows(ArgumentError):
-    """A probe's batch gives a replica of the model's strategy no row (tf.distribute cannot run such a step)."""
+    """A probe's batch gives a replica of the model's strategy no row, or does not divide by the replicas: Keras'
+    fit under a strategy reduces its first batch across them to build the model, which needs their rows alike."""
 
     def __init__(self, message: str, replicas: int):
         super().__init__(message)
@@ -131,6 +133,10 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
     if batch < replicas:  # (its fit would fail on an empty replica's batch, in an AddN of the gradients)
         return ProbeRefused(f"a batch of {batch:,} leaves a replica without a row: the model was built under a "
                             f"strategy of {replicas} replicas; give low={replicas} or more", replicas=replicas)
+    if batch % replicas:  # (Keras' fit reduces its first batch across the replicas: AddN refuses rows unlike)
+        return ProbeRefused(f"a batch of {batch:,} does not divide by the {replicas} replicas of the model's strategy, "
+                            "and Keras' fit cannot start it (it reduces the first batch across the replicas); give "
+                            f"a multiple of {replicas}", replicas=replicas)
     try:
         data = make_batch(batch)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt too: said, not a silent death
@@ -160,13 +166,13 @@ def run_probe(path: str, batch: int, steps: int) -> Probe | ProbeRefused:
         del exc
         found = allocator_limit(report.allocator)
         return Probe(batch, None, time.perf_counter() - started, report.verdict, report.request_bytes,
-                     limit_bytes=found.limit_bytes, limit_source=found.source)
+                     limit_bytes=found.limit_bytes, limit_source=found.source, replicas=replicas)
     finally:
         if ending is not None:
             ending.set()
     found = allocator_limit(allocator_of_device(m.device))
     return Probe(batch, m.highest_bytes, time.perf_counter() - started, limit_bytes=found.limit_bytes,
-                 limit_source=found.source)
+                 limit_source=found.source, replicas=replicas)
 
 
 _planned_here: frozenset[int] = frozenset()  # the batches whose every kernel this process reads timed

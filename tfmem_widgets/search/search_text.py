@@ -77,12 +77,13 @@ def _found_lines(search, largest: int, m) -> list[str]:
               if search.margin and rec is None else "")]
     largest = safe if safe is not None else largest
     if failure is not None and failure > largest:
-        step = max(1, math.ceil(largest * search.resolution))
+        step = max(search.replicas, math.ceil(largest * search.resolution))
         at = [p for p in search.failed if p.batch == failure]
         how = ("ran out of memory" if any(p.verdict not in DEATHS for p in at) else
                f"did not train ({at[0].verdict})") if at else "cannot train by its plan (not probed)"
+        each = f"; batches of {search.replicas} replicas' multiples" if search.replicas > 1 else ""
         out.append(f"  edge: {m(largest)} trained, {m(failure)} {how} "
-                   f"({m(failure - largest)} apart; resolution {search.resolution:.0%} = {m(step)} examples)")
+                   f"({m(failure - largest)} apart; resolution {search.resolution:.0%} = {m(step)} examples{each})")
     elif largest >= search.high:
         out.append(f"  the highest batch asked for ({search.high:,}) trained: the edge is above it")
     model = search.peak_model()

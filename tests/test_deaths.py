@@ -324,3 +324,51 @@ def test_the_guard_stops_a_fit_that_would_abort_or_not_fit_before_its_first_step
     assert planned == [8] and again == []  # one plan per model, batch and shapes
     assert out["off"] == [] and out["steps"] == 64 // 8 * 2 + 64 // 16 + 64 // 4
     assert out["broken"].startswith("tfmem guard: the fit runs unplanned (ZeroDivisionError")
+
+
+GUARDED_REPLICAS = """
+import json
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+import tfmem_widgets
+tfmem_widgets.setup(lab_mb=256, cpus=2)
+ip.run_line_magic("load_ext", "tfmem_widgets")
+ip.run_line_magic("tfmem", "guard")
+import keras, numpy as np, tensorflow as tf
+from tfmem_widgets.errors import FitStopped
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, activation="relu"), keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x, y = np.ones((8192, 1024), "float32"), np.zeros((8192,), "int64")
+out = {}
+for rows, batch in ((8192, 4096), (63, 63), (64, 32)):
+    try:
+        model.fit(x[:rows], y[:rows], batch_size=batch, epochs=1, verbose=0)
+        out[batch] = "trained"
+    except FitStopped as stop:
+        out[batch] = str(stop)
+    out[f"{batch} steps"] = int(model.optimizer.iterations.numpy())
+planned = tfmem_widgets.plan(model, (x, y), 4096)
+out["planned"] = [planned.peak_bytes, planned.limit_bytes]
+print(json.dumps(out))
+"""
+
+
+def test_the_guard_stops_a_mirrored_fit_that_cannot_fit_or_cannot_start_and_names_a_global_batch_that_can():
+    # Under MirroredStrategy the guard plans the replicas (plans/replicas.py): in a 256 MB lab over two logical CPUs
+    # a global batch of 4,096 is planned over the limit, and 63 rows cannot be split alike over two replicas (Keras'
+    # fit reduces the first batch across them); neither runs a step, and a fit that fits trains.
+    from conftest import run_fresh
+
+    out = run_fresh(GUARDED_REPLICAS, timeout=600)
+    text = out["4096"]
+    peak, limit = out["planned"]
+    assert peak > limit and out["4096 steps"] == 0
+    assert text.startswith("tfmem guard stopped this fit before its first step: at a global batch of 4,096 the shared "
+                           "pool of its replicas needs") and "%tfmem guard off" in text
+    below = int(text.split("A global batch of at most ")[1].split()[0].replace(",", ""))
+    assert 0 < below < 4096 and below % 2 == 0
+    assert out["63"].startswith("tfmem guard stopped this fit before its first step: its first batch splits 32 and 31 "
+                                "over the 2 replicas") and out["63 steps"] == 0
+    assert out["32"] == "trained" and out["32 steps"] == 2

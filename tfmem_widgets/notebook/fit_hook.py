@@ -2,7 +2,8 @@
 (a death in the step is told with it), and, with the guard on (``%tfmem guard``), planned at that batch
 before its first step: a fit whose step cannot fit the device, or whose graph step makes a tensor of
 2^31 elements (an abort on a GPU), is stopped with the reason and the batch that fits, before anything
-runs. One plan per model, batch and shapes; a fit that fits runs as it would.
+runs; a fit under MirroredStrategy by its replicas' plan (over the limit, or a first batch that does not divide
+by the replicas). One plan per model, batch and shapes; a fit that fits runs as it would.
 
 ``keras.Model.fit`` is wrapped once Keras is imported (the extension imports neither TensorFlow nor
 Keras itself); unloading the extension puts it back.
@@ -161,10 +162,8 @@ def _judge(model, x, y, batch: int) -> None:
     """Plan the fit's step at its batch (once per model, batch and shapes); raise FitStopped where it
     cannot fit or would abort."""
     from ..plans.plan import batch_specs
+    from ..plans.replicas import replicas_of
 
-    strategy = getattr(model, "distribute_strategy", None)
-    if getattr(strategy, "num_replicas_in_sync", 1) != 1:
-        return  # a plan is of one device's step (a replica's): the fit runs unguarded
     sample = _sample(x, y)
     try:
         key = (batch, repr(batch_specs(sample, batch)))
@@ -172,7 +171,9 @@ def _judge(model, x, y, batch: int) -> None:
         return
     seen = _judged.setdefault(model, {})
     if key not in seen:
-        seen[key] = _verdict(model, sample, x, y, batch)
+        replicas = replicas_of(model)
+        seen[key] = _verdict(model, sample, x, y, batch) if replicas == 1 else _replicas_verdict(model, sample, batch,
+                                                                                                 replicas)
     if seen[key] is not None:
         raise FitStopped(seen[key])
 
@@ -200,6 +201,37 @@ def _verdict(model, sample, x, y, batch: int) -> str | None:
     if not risks and fits is True:
         return None
     return _stopped(batch, risks, under if fits is True else fits, planned)
+
+
+def _replicas_verdict(model, sample, batch: int, replicas: int) -> str | None:
+    """None where the replicas' plan fits its devices (plans/replicas.py); else why not and the global batch that
+    does: a first batch that does not divide by the replicas cannot start, a plan over the limit cannot fit."""
+    from ..errors import ArgumentError
+    from ..plans.need import NEED_SECONDS
+    from ..plans.plan import plan
+    from ..plans.replica_need import replica_need
+    from ..readings.fit_context import FitContext
+
+    try:
+        planned = plan(model, sample, batch)
+    except ArgumentError as exc:
+        print(f"tfmem guard: the fit runs unplanned: {str(exc).removeprefix('plan: ')}", file=sys.stderr)
+        return None
+    if planned.uneven:
+        rows = " and ".join(f"{r:,}" for r in planned.first_rows)
+        return (f"tfmem guard stopped this fit before its first step: its first batch splits {rows} over the "
+                f"{replicas} replicas, and Keras' fit, which reduces that batch across them to build the model, "
+                f"cannot start it. A global batch that divides by {replicas}, such as {batch - batch % replicas:,}, "
+                "can. %tfmem guard off lets it run.")
+    if planned.limit_bytes is None or planned.fits():
+        return None
+    need = replica_need(FitContext(model, batch, sample, replicas), planned.limit_bytes, seconds=NEED_SECONDS)
+    where = "the shared pool of its replicas" if planned.shared_pool else f"its busiest replica, {planned.busiest.device},"
+    what = (f"A global batch of at most {need.fits_batch:,} fits by the replicas' plan" if need.fits_batch
+            else "No global batch planned fits")
+    return (f"tfmem guard stopped this fit before its first step: at a global batch of {batch:,} {where} needs "
+            f"{_bytes(planned.peak_bytes)} at its peak against the limit of {_bytes(planned.limit_bytes)} (the "
+            f"replicas' plan, an estimate). {what}. %tfmem guard off lets it run.")
 
 
 def _fits(model, sample, planned, sizes) -> bool | int | None:

@@ -368,7 +368,7 @@ def test_the_guard_stops_a_mirrored_fit_that_cannot_fit_or_cannot_start_and_name
     assert text.startswith("tfmem guard stopped this fit before its first step: at a global batch of 4,096 the shared "
                            "pool of its replicas needs") and "%tfmem guard off" in text
     below = int(text.split("A global batch of at most ")[1].split()[0].replace(",", ""))
-    assert 0 < below < 4096 and below % 2 == 0
+    assert 0 < below < 4096 and below % 2 == 0 and f"{below:,} (this CPU) fits" in text  # (a CPU's plan: marked)
     assert out["63"].startswith("tfmem guard stopped this fit before its first step: its first batch splits 32 and 31 "
                                 "over the 2 replicas") and out["63 steps"] == 0
     assert out["32"] == "trained" and out["32 steps"] == 2

@@ -663,7 +663,8 @@ print(json.dumps({"raised": type(result.error_in_exec).__name__, "shown": shown.
                            "fails": need.fails_batch, "source": need.source, "limit": need.limit_bytes,
                            "shares": repr(need.plan)},
                   "planned": {b: [p.peak_bytes, p.fits()] for b, p in plans.items()},
-                  "uneven": type(uneven.error_in_exec).__name__, "uneven_plan": repr(tfmem_widgets.plan(model, (x[:63], y[:63]), 63))}))
+                  "uneven": type(uneven.error_in_exec).__name__,
+                  "uneven_plan": repr(tfmem_widgets.plan(model, (x[:63], y[:63]), 63))}))
 """
 
 

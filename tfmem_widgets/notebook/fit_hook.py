@@ -211,6 +211,7 @@ def _replicas_verdict(model, sample, batch: int, replicas: int) -> str | None:
     from ..plans.plan import plan
     from ..plans.replica_need import replica_need
     from ..readings.fit_context import FitContext
+    from ..text import marked
 
     try:
         planned = plan(model, sample, batch)
@@ -226,12 +227,13 @@ def _replicas_verdict(model, sample, batch: int, replicas: int) -> str | None:
     if planned.limit_bytes is None or planned.fits():
         return None
     need = replica_need(FitContext(model, batch, sample, replicas), planned.limit_bytes, seconds=NEED_SECONDS)
+    varies = planned.replicas[0].device.startswith("CPU")  # (a step planned for this processor: ReplicaPlan.lines)
     where = "the shared pool of its replicas" if planned.shared_pool else f"its busiest replica, {planned.busiest.device},"
-    what = (f"A global batch of at most {need.fits_batch:,} fits by the replicas' plan" if need.fits_batch
-            else "No global batch planned fits")
+    what = (f"A global batch of at most {marked(f'{need.fits_batch:,}', varies)} fits by the replicas' plan"
+            if need.fits_batch else "No global batch planned fits")
     return (f"tfmem guard stopped this fit before its first step: at a global batch of {batch:,} {where} needs "
-            f"{_bytes(planned.peak_bytes)} at its peak against the limit of {_bytes(planned.limit_bytes)} (the "
-            f"replicas' plan, an estimate). {what}. %tfmem guard off lets it run.")
+            f"{marked(_bytes(planned.peak_bytes), varies)} at its peak against the limit of "
+            f"{_bytes(planned.limit_bytes)} (the replicas' plan, an estimate). {what}. %tfmem guard off lets it run.")
 
 
 def _fits(model, sample, planned, sizes) -> bool | int | None:

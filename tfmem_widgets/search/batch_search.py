@@ -31,7 +31,7 @@ from ..text import LinesText, RunNote
 from ..units import format_bytes
 from .arguments import check_count, check_fraction, where_words
 from .by_plans import batch_by_plans, need_by_plans
-from .next_probe import next_batch, settle_recommended
+from .next_probe import next_batch, on_replicas, settle_recommended
 from .probe import Probe, TooFewRows, first_line
 from .progress import progress_for
 from .search_text import search_lines
@@ -247,7 +247,7 @@ class BatchSearch(LinesText):
         model = self.peak_model()
         if model is None:
             return None
-        return max(0, int((limit_bytes - model[0]) // model[1]))
+        return on_replicas(self, max(0, int((limit_bytes - model[0]) // model[1])))  # (a batch the fit can start)
 
     @property
     def recommended(self) -> int | None:
@@ -260,7 +260,7 @@ class BatchSearch(LinesText):
         if largest is None or self.margin == 0:
             return largest
         if self.limit_bytes is None:
-            return max(self.low, int(largest * (1 - self.margin)))
+            return on_replicas(self, max(self.low, int(largest * (1 - self.margin))))
         return self._largest_measured_within(self.within_margin_bytes(self.limit_bytes))
 
     @property

@@ -342,13 +342,13 @@ with strategy.scope():
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 x, y = np.ones((8192, 1024), "float32"), np.zeros((8192,), "int64")
 out = {}
-for rows, batch in ((8192, 4096), (63, 63), (64, 32)):
+for rows, batch in ((8192, 4096), (63, 63), (63, 64), (64, 64)):
     try:
         model.fit(x[:rows], y[:rows], batch_size=batch, epochs=1, verbose=0)
-        out[batch] = "trained"
+        out[f"{rows}@{batch}"] = "trained"
     except FitStopped as stop:
-        out[batch] = str(stop)
-    out[f"{batch} steps"] = int(model.optimizer.iterations.numpy())
+        out[f"{rows}@{batch}"] = str(stop)
+    out[f"{rows}@{batch} steps"] = int(model.optimizer.iterations.numpy())
 planned = tfmem_widgets.plan(model, (x, y), 4096)
 out["planned"] = [planned.peak_bytes, planned.limit_bytes]
 print(json.dumps(out))
@@ -357,18 +357,22 @@ print(json.dumps(out))
 
 def test_the_guard_stops_a_mirrored_fit_that_cannot_fit_or_cannot_start_and_names_a_global_batch_that_can():
     # Under MirroredStrategy the guard plans the replicas (plans/replicas.py): in a 256 MB lab over two logical CPUs
-    # a global batch of 4,096 is planned over the limit, and 63 rows cannot be split alike over two replicas (Keras'
-    # fit reduces the first batch across them); neither runs a step, and a fit that fits trains.
+    # a global batch of 4,096 is planned over the limit, and a first batch of 63 rows cannot be split alike over two
+    # replicas (Keras' fit reduces the first batch across them); neither runs a step, and a fit that fits trains.
     from conftest import run_fresh
 
     out = run_fresh(GUARDED_REPLICAS, timeout=600)
-    text = out["4096"]
+    text = out["8192@4096"]
     peak, limit = out["planned"]
-    assert peak > limit and out["4096 steps"] == 0
+    assert peak > limit and out["8192@4096 steps"] == 0
     assert text.startswith("tfmem guard stopped this fit before its first step: at a global batch of 4,096 the shared "
                            "pool of its replicas needs") and "%tfmem guard off" in text
     below = int(text.split("A global batch of at most ")[1].split()[0].replace(",", ""))
     assert 0 < below < 4096 and below % 2 == 0 and f"{below:,} (this CPU) fits" in text  # (a CPU's plan: marked)
-    assert out["63"].startswith("tfmem guard stopped this fit before its first step: its first batch splits 32 and 31 "
-                                "over the 2 replicas") and out["63 steps"] == 0
-    assert out["32"] == "trained" and out["32 steps"] == 2
+    stopped = "tfmem guard stopped this fit before its first step: its first batch splits 32 and 31 over the 2 replicas"
+    assert out["63@63"].startswith(stopped) and "give a global batch that divides by 2, such as 62" in out["63@63"]
+    # 63 rows at a batch of 64 are the first batch: the rows are to divide. 64 rows at the same batch and shapes are
+    # judged anew, and train.
+    assert out["63@64"].startswith(stopped) and "its data has 63 rows, fewer than the batch of 64" in out["63@64"]
+    assert out["63@63 steps"] == out["63@64 steps"] == 0
+    assert out["64@64"] == "trained" and out["64@64 steps"] == 1

@@ -296,3 +296,36 @@ def test_a_fresh_fits_first_step_holds_each_shared_slot_buffer_and_writes_the_sl
     alone = replace(planned, shared_slots=())
     assert alone.fits(edge + MiB, held, regions=False) and not planned.fits(edge + MiB, held, regions=False)
     assert planned.fits(edge + planned.first_step_bytes, held, regions=False)
+
+
+class _Planned:
+    """A replicas' plan as the search reads it: a peak, judged against a limit."""
+
+    def __init__(self, peak: int):
+        self.peak_bytes = peak
+
+    def fits(self, limit: int) -> bool:
+        return self.peak_bytes <= limit
+
+
+def test_the_replicas_search_closes_to_one_row_per_replica_and_says_when_time_ran_out():
+    import time
+
+    from tfmem_widgets.plans.need import _search
+
+    def planned(rows):  # a straight line: 10 MiB, and 1 MiB a row per replica; made is the plans' rows
+        made.append(rows)
+        return _Planned(10 * MiB + rows * MiB)
+
+    for limit_rows, high in ((40.5, 2048), (3000.5, 4096)):  # an edge under 50 rows a replica, one far above
+        made = []
+        ends = {False: (high, planned(high).peak_bytes)}
+        assert _search(planned, int(10 * MiB + limit_rows * MiB), ends, time.perf_counter() + 60)
+        fits, fails = ends[True][0], ends[False][0]
+        assert fits <= limit_rows < fails and fails - fits <= max(1, int(fits * 0.02))
+        assert len(made) <= 8 and len(set(made)) == len(made), made
+    nothing = {False: (64, 74 * MiB)}
+    assert _search(planned, 5 * MiB, nothing, time.perf_counter() + 60) and nothing == {False: (1, 11 * MiB)}
+    late = {False: (4096, planned(4096).peak_bytes)}
+    assert not _search(planned, 1000 * MiB, late, time.perf_counter() - 1)  # the deadline passed: not closed
+    assert late[True][0] == 1 and late[False][0] == 4096

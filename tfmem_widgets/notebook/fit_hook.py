@@ -162,16 +162,15 @@ def _judge(model, x, y, batch: int) -> None:
     """Plan the fit's step at its batch (once per model, batch and shapes); raise FitStopped where it
     cannot fit or would abort."""
     from ..plans.plan import batch_specs
-    from ..plans.replicas import replicas_of
+    from ..plans.replicas import replicas_of, rows_of
 
-    sample = _sample(x, y)
-    try:
-        key = (batch, repr(batch_specs(sample, batch)))
+    sample, replicas = _sample(x, y), replicas_of(model)
+    try:  # (over replicas the data's rows count too: where fewer than the batch, they are the first batch)
+        key = (batch, repr(batch_specs(sample, batch)), rows_of(sample) if replicas > 1 else None)
     except Exception:  # a sample the plan cannot read (a generator's): the fit runs unguarded
         return
     seen = _judged.setdefault(model, {})
     if key not in seen:
-        replicas = replicas_of(model)
         seen[key] = _verdict(model, sample, x, y, batch) if replicas == 1 else _replicas_verdict(model, sample, batch,
                                                                                                  replicas)
     if seen[key] is not None:
@@ -207,30 +206,28 @@ def _replicas_verdict(model, sample, batch: int, replicas: int) -> str | None:
     """None where the replicas' plan fits its devices (plans/replicas.py); else why not and the global batch that
     does: a first batch that does not divide by the replicas cannot start, a plan over the limit cannot fit."""
     from ..errors import ArgumentError
-    from ..plans.need import NEED_SECONDS
+    from ..plans.need import NEED_SECONDS, replica_need
     from ..plans.plan import plan
-    from ..plans.replica_need import replica_need
     from ..readings.fit_context import FitContext
     from ..text import marked
 
     try:
-        planned = plan(model, sample, batch)
+        planned = plan(model, sample, batch, build=True)  # (its copy built, as fit would build it: the model is not)
     except ArgumentError as exc:
         print(f"tfmem guard: the fit runs unplanned: {str(exc).removeprefix('plan: ')}", file=sys.stderr)
         return None
     if planned.uneven:
-        rows = " and ".join(f"{r:,}" for r in planned.first_rows)
-        return (f"tfmem guard stopped this fit before its first step: its first batch splits {rows} over the "
-                f"{replicas} replicas, and Keras' fit, which reduces that batch across them to build the model, "
-                f"cannot start it. A global batch that divides by {replicas}, such as {batch - batch % replicas:,}, "
-                "can. %tfmem guard off lets it run.")
+        return (f"tfmem guard stopped this fit before its first step: {planned.uneven_text()}. %tfmem guard off "
+                "lets it run.")
     if planned.limit_bytes is None or planned.fits():
         return None
-    need = replica_need(FitContext(model, batch, sample, replicas), planned.limit_bytes, seconds=NEED_SECONDS)
+    need = replica_need(FitContext(model, batch, sample, replicas), planned.limit_bytes, seconds=NEED_SECONDS,
+                        first=planned)
     varies = planned.replicas[0].device.startswith("CPU")  # (a step planned for this processor: ReplicaPlan.lines)
     where = "the shared pool of its replicas" if planned.shared_pool else f"its busiest replica, {planned.busiest.device},"
     what = (f"A global batch of at most {marked(f'{need.fits_batch:,}', varies)} fits by the replicas' plan"
-            if need.fits_batch else "No global batch planned fits")
+            if need.fits_batch else f"No global batch was found to fit: {need.note}" if need.note else
+            f"No global batch planned fits, down to {need.fails_batch:,}")
     return (f"tfmem guard stopped this fit before its first step: at a global batch of {batch:,} {where} needs "
             f"{marked(_bytes(planned.peak_bytes), varies)} at its peak against the limit of "
             f"{_bytes(planned.limit_bytes)} (the replicas' plan, an estimate). {what}. %tfmem guard off lets it run.")

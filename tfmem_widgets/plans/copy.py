@@ -21,6 +21,8 @@ def model_copy(model, device: str = "/CPU:0", where: str = "on the CPU"):
             copy = keras.models.clone_model(model)
             if config:
                 copy.compile_from_config(config)
+    except tf.errors.ResourceExhaustedError:  # refused memory for the copy's variables: said as such by the caller
+        raise
     except Exception as exc:  # a subclassed model without get_config, a custom compile
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ArgumentError(f"plan: the model could not be rebuilt {where} to plan it ({type(exc).__name__}: "

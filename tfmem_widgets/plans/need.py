@@ -99,7 +99,8 @@ class StepNeed:
         elif self.source == "xla request":
             out.append("what fits: plan the step in a new process (tfmem_widgets.plan, or %%tfmem batch --plan for "
                        "the batch): after an XLA program's OOM this one is not planned")
-        elif self.source in ("plan", "cpu plan") and self.peak_bytes is not None and self.fails_batch is not None:
+        elif self.source in ("plan", "cpu plan", "replica plan") and self.peak_bytes is not None and \
+                self.fails_batch is not None and (self.source != "replica plan" or not self.note):
             out.append(f"what fits: no batch planned fits this limit (down to {m(f'{self.fails_batch:,}')})")
         if self.note:
             out.append(self.note)
@@ -167,9 +168,7 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
     plan = planner or functools.partial(plan, build=True, place=False)  # the fit's own data builds as fit would
 
     seconds = NEED_SECONDS if seconds is None else seconds
-    if fit.replicas != 1:  # (a MirroredStrategy fit: each replica's share planned, plans/replica_need.py)
-        from .replica_need import replica_need
-
+    if fit.replicas != 1:  # (a MirroredStrategy fit: each replica's share planned, replica_need)
         return replica_need(fit, limit_bytes, seconds=seconds)
     if planner is None and not (device := device_of(fit.model)).startswith("CPU"):
         return from_cpu_copy(fit, device, limit_bytes, seconds=seconds)  # never on the refused card
@@ -211,3 +210,111 @@ def step_need(fit: FitContext, limit_bytes: int | None, *, seconds: float | None
                     plans=len(found.plans), seconds=time.perf_counter() - started, estimate=failing.estimate,
                     note=note, least_limit_bytes=least, plan=failing)
 
+
+# -- A fit under MirroredStrategy ------------------------------------------------------------------------
+# An OOM in a Keras fit under MirroredStrategy told in terms of its replicas: the plan of each replica's share
+# at the fit's global batch (``plan()``, plans/replicas.py) and the largest global batch whose plan fits the limit.
+#
+# The plans are ``plan()``'s of the fit's own model and data (the arrays' shapes, ``FitContext.data``), made in
+# this process after the OOM: each copies the model onto the first replica's device without the strategy, plans one
+# replica's step and gives the copy back. On a GPU that copy is made beside what the fit still holds; where it is
+# refused, the need says so and how to plan in a new process. The replicas' plans are estimates (a graph step
+# each, the all-reduce's buffers assumed), so the batch is searched to 2% and a probe confirms it.
+
+REPLICAS_RESOLUTION = 0.02  # the search stops where the failing batch is within 2% above the fitting one
+
+
+def replica_need(fit, limit_bytes: int | None, *, seconds: float, first=None) -> StepNeed:
+    """The replicas' planned peak at the fit's global batch and the largest global batch whose plan fits
+    `limit_bytes` (the plan's own limit where None: the busiest replica's device's, or the shared pool's).
+    first: the ReplicaPlan at the fit's batch where made already (the guard's), not made again."""
+    import tensorflow as tf
+
+    from .plan import plan
+
+    sample = fit.data if fit.data is not None else fit.sample
+    started = time.perf_counter()
+    plans: dict[int, object] = {} if first is None else {fit.batch_size: first}
+
+    def planned(batch: int):
+        if batch not in plans:  # (build: a model not built yet is planned from its copy, built as fit would build it)
+            plans[batch] = plan(fit.model, sample, batch, build=True)
+        return plans[batch]
+
+    try:
+        failing = planned(fit.batch_size)
+    except ArgumentError as exc:
+        return StepNeed(fit.batch_size, note=f"the replicas could not be planned: {str(exc).removeprefix('plan: ')}")
+    except tf.errors.ResourceExhaustedError:
+        return StepNeed(fit.batch_size, source="replica plan", note=(
+            f"the replicas' plan copies the model onto the first replica's device, and beside what the fit still "
+            f"holds that copy was refused: plan it in a new process (%%tfmem fresh, then tfmem_widgets.plan(model, "
+            f"(x, y), {fit.batch_size:,}))"))
+    limit = failing.limit_bytes if limit_bytes is None else limit_bytes
+    need = StepNeed(fit.batch_size, failing.peak_bytes, _resident(failing), limit, plans=1, estimate=True,
+                    source="replica plan", plan=failing)
+    if limit is None:
+        return _done(need, plans, started, note="the devices' limit is not known: no batch can be said to fit")
+    if failing.fits(limit):
+        return _done(need, plans, started, fits=fit.batch_size, note=(
+            "the replicas' plan fits a fresh process at this batch: what this process held before the fit did not, "
+            "or the step took more than its plan (a graph step on each replica)"))
+    n = fit.replicas  # (global batches that divide by the replicas: Keras' fit refuses others, ReplicaPlan.uneven)
+    ends = {False: (-(-fit.batch_size // n), failing.peak_bytes)}  # rows per replica -> (rows, planned peak)
+    try:
+        closed = _search(lambda rows: planned(rows * n), limit, ends, started + seconds)
+        note = "" if closed else f"the plans stopped after {seconds:.0f} s"
+    except (ArgumentError, tf.errors.ResourceExhaustedError) as exc:  # (a plan below refused: what was found stands)
+        closed, note = False, f"the plans stopped at {type(exc).__name__}: {str(exc).removeprefix('plan: ')[:200]}"
+    fits, fails = (ends[True][0] * n if True in ends else None), ends[False][0] * n
+    if note and fits is not None:
+        note += f": the edge lies between {fits:,} and {fails:,}"
+    return _done(need, plans, started, fits=fits, fails=fails, note=note)
+
+
+def _search(planned, limit: int, ends: dict, deadline: float) -> bool:
+    """Brackets the edge in rows per replica: `ends` holds False: (the fewest rows planned not to fit, their
+    peak), and gains True: (the most planned to fit, their peak), each narrowed as plans are made (`planned(rows)`,
+    the replicas' plan at that many rows each); whether the bracket closed to 2% (or one row) before `deadline`.
+    Aimed along the line through the two ends, each aim followed by a plan 2% past it on the other side, so a
+    nearly straight line is bracketed in a few plans."""
+    at_low = planned(1)
+    if not at_low.fits(limit):
+        ends[False] = (1, at_low.peak_bytes)
+        return True
+    ends[True] = (1, at_low.peak_bytes)
+
+    def close() -> bool:
+        return ends[False][0] - ends[True][0] <= max(1, int(ends[True][0] * REPLICAS_RESOLUTION))
+
+    while not close():
+        if time.perf_counter() >= deadline:
+            return False
+        (lo, lo_peak), (hi, hi_peak) = ends[True], ends[False]
+        per_row = (hi_peak - lo_peak) / (hi - lo)
+        aim = lo + int((limit - lo_peak) / per_row) if per_row > 0 else (lo + hi) // 2
+        for _ in range(2):
+            aim = min(max(aim, ends[True][0] + 1), ends[False][0] - 1)
+            at = planned(aim)
+            side = bool(at.fits(limit))
+            ends[side] = (aim, at.peak_bytes)
+            if close() or time.perf_counter() >= deadline:
+                break
+            step = max(1, int(aim * REPLICAS_RESOLUTION))
+            aim = aim + step if side else aim - step  # (the other side of the edge, if the line aimed well)
+    return True
+
+
+def _resident(planned) -> int:
+    """The variables the limit is judged with: every replica's in a shared pool, else the busiest's."""
+    if planned.shared_pool:
+        return sum(r.resident_bytes for r in planned.replicas)
+    return planned.busiest.resident_bytes
+
+
+def _done(need: StepNeed, plans: dict, started: float, *, fits: int | None = None, fails: int | None = None,
+          note: str = "") -> StepNeed:
+    from dataclasses import replace
+
+    return replace(need, fits_batch=fits, fails_batch=fails, plans=len(plans), seconds=time.perf_counter() - started,
+                   note=note)

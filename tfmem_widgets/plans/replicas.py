@@ -104,6 +104,18 @@ class ReplicaPlan(LinesText):
         rows alike; a first batch that does not divide by the replicas raises InvalidArgumentError (Keras 3.15)."""
         return len(set(self.first_rows)) > 1
 
+    def uneven_text(self) -> str:
+        """Why an uneven first batch cannot start, and what can: a global batch, or where the data is the first
+        batch (fewer rows than the batch), a number of rows, that divides by the replicas."""
+        n, first = len(self.replicas), sum(self.first_rows)
+        split = " and ".join(f"{r:,}" for r in self.first_rows)
+        what = (f"give a global batch that divides by {n}, such as {max(n, first - first % n):,}"
+                if first == self.global_batch else
+                f"its data has {first:,} rows, fewer than the batch of {self.global_batch:,}, so they are the first "
+                f"batch: give a number of rows that divides by {n}, such as {max(n, first - first % n):,}")
+        return (f"its first batch splits {split} over the {n} replicas, and Keras' fit, which reduces that batch "
+                f"across them to build the model, cannot start it; {what}")
+
     @property
     def busiest(self) -> ReplicaShare:
         return max(self.replicas, key=lambda r: r.peak_bytes)
@@ -166,12 +178,8 @@ class ReplicaPlan(LinesText):
                        + " + ".join(parts))
         out.append(self._verdict(varies))
         if self.uneven:
-            n = len(self.replicas)
-            out.append(f"  FAILS before its first step: Keras' fit under the strategy reduces its first batch across the "
-                       f"replicas (a MEAN, to build the model), which needs every replica's rows alike: its "
-                       f"{sum(self.first_rows):,} rows split {' and '.join(f'{r:,}' for r in self.first_rows)} "
-                       f"(TensorFlow: 'Inputs to operation AddN ... must have the same size and shape'); give a global "
-                       f"batch that divides by {n}, such as {self.global_batch - self.global_batch % n:,}")
+            out.append(f"  FAILS before its first step: {self.uneven_text()} (TensorFlow: 'Inputs to operation AddN ... "
+                       "must have the same size and shape')")
         if self.xla_refused:
             out.append("  FAILS before its first step: Keras' fit with jit_compile=True under MirroredStrategy has XLA compile "
                        "the replicas' step on the first replica's device, which cannot read the other replicas' variables "
@@ -285,7 +293,7 @@ def plan_replicas(model, sample, global_batch: int, planner) -> ReplicaPlan:
     gc.collect()  # (the copy's variables, held in reference cycles of its traced step, leave the pool now, before a fit)
     busiest = max(replicas, key=lambda r: r.peak_bytes).device
     limit = limit_of(first if shared else busiest)
-    first = split_rows(min(global_batch, _rows_of(sample) or global_batch), len(devices))
+    first = split_rows(min(global_batch, rows_of(sample) or global_batch), len(devices))
     return ReplicaPlan(type(strategy).__name__, kind, global_batch, tuple(replicas), gradients, rule, shared,
                        limit.bytes, limit.source, plans, model.jit_compile, tuple(first) if len(set(first)) > 1 else ())
 
@@ -305,7 +313,7 @@ def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
     import keras
     import tensorflow as tf
 
-    rows = _rows_of(sample)
+    rows = rows_of(sample)
     if rows is None or rows < global_batch:
         return None, 0
     leaves = [leaf for leaf in keras.tree.flatten(sample) if leaf is not None]
@@ -321,7 +329,7 @@ def _data_shares(sample, planned, global_batch: int, shared: bool) -> tuple:
     return arrays, 2 * INDEX_BYTES * rows + count * batch
 
 
-def _rows_of(sample) -> int | None:
+def rows_of(sample) -> int | None:
     """The rows of the fit's data where the sample holds it (arrays or tensors), else None (TensorSpecs)."""
     import keras
     import tensorflow as tf

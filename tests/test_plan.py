@@ -325,7 +325,9 @@ def test_a_model_built_under_a_strategy_is_planned_per_replica_from_a_copy_and_i
     name, text = out["refused"]  # inside the strategy's scope: one line, and nothing was built
     assert name == "ArgumentError" and "\n" not in text and text.startswith("plan: called inside a strategy's scope")
     assert out["built"] and len(out["loss"]) == 1  # the optimizer was left to the fit, which trained
-    assert "FAILS before its first step" not in out["text"]
+    assert "jit_compile=True under MirroredStrategy" not in out["text"]  # (its own compile: no XLA under the strategy)
+    # 65 rows, a batch of 65: its first batch splits 33 and 32, which Keras' fit cannot start (the fit above: 64)
+    assert "its first batch splits 33 and 32 over the 2 replicas" in out["text"] and "such as 64" in out["text"]
     name, text = out["xla_failed"]
     assert name == "InvalidArgumentError" and "Trying to access resource" in text, out["xla_failed"]
     assert "FAILS before its first step: Keras' fit with jit_compile=True under MirroredStrategy" in out["xla_said"]
